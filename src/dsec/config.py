@@ -1,0 +1,167 @@
+"""One settings object for the whole project.
+
+Every tunable has a default here with a one-line doc; code elsewhere never carries a
+magic number. Values come from ``DSEC_*`` environment variables, then an optional TOML
+file (``DSEC_CONFIG``), then these defaults. Seed figures are defaults, never constants.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("DSEC_HOME", "/var/lib/dsec"))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore")
+
+    # --- locations -----------------------------------------------------------------
+    home: Path = Field(default_factory=_default_home, description="Data dir: state, images, sandboxes")
+    run_dir: Path | None = Field(None, description="Runtime dir for sockets/runc state (default HOME/run)")
+    config: Path | None = Field(None, description="Optional TOML file with settings")
+
+    # --- client --------------------------------------------------------------------
+    url: str | None = Field(None, description="API server URL for SDK/CLI")
+    token: str | None = Field(None, description="Tenant API token for SDK/CLI")
+    client_retries: int = Field(4, description="SDK retries on transient failures / 429")
+    client_backoff_s: float = Field(0.2, description="SDK initial retry backoff (doubles, capped)")
+    client_backoff_max_s: float = Field(5.0, description="SDK retry backoff cap")
+    client_timeout_s: float = Field(120.0, description="SDK per-request timeout")
+
+    # --- server --------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="API bind host")
+    port: int = Field(7070, description="API bind port")
+    max_upload_bytes: int = Field(256 * 1024 * 1024, description="Largest file/tar upload accepted")
+    max_exec_output_bytes: int = Field(16 * 1024 * 1024, description="Exec output kept per stream")
+    audit_retention_s: float = Field(7 * 24 * 3600, description="Audit log kept after sandbox death")
+
+    # --- sandbox defaults (SPEC §1) ----------------------------------------------
+    default_cpu: float = Field(4.0, description="CPUs per sandbox")
+    default_memory: str = Field("8G", description="Memory per sandbox")
+    default_disk: str = Field("20G", description="Writable-layer quota per sandbox")
+    default_timeout_s: float = Field(1800.0, description="Wall timeout/TTL per sandbox")
+    default_pids: int = Field(1024, description="Max processes per sandbox")
+    default_nofile: int = Field(4096, description="RLIMIT_NOFILE in sandboxes (<= host hard limit)")
+    default_isolation: str = Field("container", description="container (runc) or gvisor (runsc)")
+    runc_path: str = Field("runc", description="runc binary")
+    runsc_path: str = Field("runsc", description="runsc binary")
+    runsc_platform: str = Field("ptrace", description="gVisor platform (ptrace works everywhere)")
+    exec_default_timeout_s: float = Field(60.0, description="Exec timeout when none given")
+
+    # --- node capacity -------------------------------------------------------------
+    node_cpu: float | None = Field(None, description="Schedulable CPUs (default: os.cpu_count())")
+    node_memory: str | None = Field(None, description="Schedulable memory (default: MemTotal)")
+    node_disk: str | None = Field(None, description="Schedulable disk (default: free space of HOME)")
+    node_max_sandboxes: int = Field(2000, description="Hard cap of live sandboxes per node")
+
+    # --- images (SPEC §2) ------------------------------------------------------------
+    image_cache_max_images: int = Field(20, description="Most recent images whose layers are kept")
+    image_cache_max_bytes: str = Field("50G", description="Byte budget of the unpacked-layer cache")
+    image_gc_unused_s: float = Field(24 * 3600, description="GC layers unreferenced and unused this long")
+    image_base_layer_min_copies: int = Field(3, description="Cluster-wide copies kept of base layers")
+    image_max_concurrent_pulls: int = Field(4, description="Concurrent layer pulls per node")
+    layer_compression: str = Field("zstd", description="zstd (default) or gzip for layers we write")
+    layer_zstd_level: int = Field(3, description="zstd level for layers we write")
+
+    # --- scheduler (SPEC §3) ---------------------------------------------------------
+    queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")
+    queue_high_watermark: float = Field(0.80, description="Backpressure on above this depth fraction")
+    queue_low_watermark: float = Field(0.60, description="Backpressure off below this depth fraction")
+    image_miss_threshold: float = Field(0.30, description="Refuse nodes missing more than this of an image")
+    overcommit_window_s: float = Field(30.0, description="Sliding usage window per node")
+    overcommit_predict_window_s: float = Field(600.0, description="Mean window for predicted load")
+    overcommit_predict_factor: float = Field(1.5, description="Predicted load = mean x this")
+    overcommit_threshold: float = Field(0.85, description="Admit nothing above this predicted load")
+    overcommit_ratio: float = Field(1.3, description="Max admitted / capacity while below threshold")
+    warm_pool_factor: float = Field(1.2, description="Pool target = peak concurrency x this")
+    warm_pool_window_s: float = Field(600.0, description="Window for observed peak concurrency")
+    warm_pool_max_idle_s: float = Field(1800.0, description="Idle pool members expire after this")
+    warm_pool_max_per_node: int = Field(64, description="Max warm sandboxes per node")
+    batch_window_s: float = Field(0.050, description="Requests within this window are placed together")
+    node_parallel_creates: int = Field(8, description="Parallel creations per node")
+    retry_max_attempts: int = Field(3, description="Create attempts across nodes")
+    retry_backoff_s: float = Field(0.05, description="Initial create retry backoff")
+    retry_backoff_max_s: float = Field(2.0, description="Create retry backoff cap")
+    heartbeat_interval_s: float = Field(10.0, description="Lease heartbeat interval")
+    heartbeat_misses: int = Field(3, description="Missed heartbeats before the reaper cleans")
+    reaper_interval_s: float = Field(1.0, description="How often the reaper runs")
+    rightsize_max_factor: float = Field(2.0, description="Max raise of a task type's requests")
+    sparrow_probes: int = Field(2, description="Nodes probed per task when nodes are many")
+    sparrow_min_nodes: int = Field(200, description="Use sampling above this many nodes")
+
+    # --- networking (SPEC §1) -------------------------------------------------------
+    net_cidr: str = Field("10.213.0.0/16", description="Private range for sandbox addresses")
+    net_slot_pool: int = Field(16, description="Pre-built network slots kept ready")
+    net_egress_rate: str = Field("100mbit", description="Per-sandbox egress bandwidth limit")
+    net_max_connections: int = Field(256, description="Per-sandbox concurrent connection limit")
+    net_denied_log_max: int = Field(1000, description="Denied-attempt audit records kept per sandbox")
+
+    # --- checkpoints (SPEC §4) ------------------------------------------------------
+    checkpoint_roots: list[Path] = Field(default_factory=list, description="Replica roots (default HOME/blobs)")
+    checkpoint_keep: int = Field(5, description="Checkpoint units kept per episode")
+    checkpoint_full_every: int = Field(20, description="Full checkpoint every N incremental ones")
+
+    # --- state / cluster --------------------------------------------------------------
+    state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for multi-node state")
+    blob_backend: str = Field("local", description="local (default) or s3")
+    s3_endpoint: str | None = Field(None, description="S3-compatible endpoint URL")
+    s3_bucket: str = Field("dsec", description="S3 bucket for blobs")
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.run_dir or (self.home / "run")
+
+
+def _toml_overrides() -> dict[str, object]:
+    path = os.environ.get("DSEC_CONFIG")
+    if not path:
+        return {}
+    with open(path, "rb") as fh:
+        data = tomllib.load(fh)
+    return {k: v for k, v in data.items() if not isinstance(v, dict)}
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings: explicit overrides > DSEC_* env > TOML file > defaults."""
+    base = _toml_overrides()
+    env_set = {f for f in Settings.model_fields if f"DSEC_{f.upper()}" in os.environ}
+    merged = {k: v for k, v in base.items() if k not in env_set}
+    merged.update(overrides)
+    return Settings(**merged)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return load_settings()
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parse '512M', '8G', '1.5g', '1024' or 8589934592 into bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    text = str(value).strip().lower().removesuffix("ib").removesuffix("b") if str(value).strip() else ""
+    if not text:
+        raise ValueError(f"invalid size {value!r}: expected e.g. '512M' or '8G'")
+    unit = text[-1] if text[-1] in _UNITS else ""
+    number = text[: -1] if unit else text
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"invalid size {value!r}: expected e.g. '512M' or '8G'") from None
+    if amount < 0:
+        raise ValueError(f"size must be >= 0, got {value!r}")
+    return int(amount * _UNITS[unit])
