@@ -1,0 +1,10 @@
+"""The ``dsec`` command. Sub-commands live in their own modules and are registered here."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(name="dsec", help="DSec: fast, secure, recoverable sandboxes for AI agents.",
+                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+
+# Sub-command registrations (one line per module; keep this list sorted).
