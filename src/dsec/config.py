@@ -43,6 +43,17 @@ class Settings(BaseSettings):
     max_exec_output_bytes: int = Field(16 * 1024 * 1024, description="Exec output kept per stream")
     audit_retention_s: float = Field(7 * 24 * 3600, description="Audit log kept after sandbox death")
 
+    # --- service layer: API server, SDK, CLI (owner: service engineer) ----------------
+    client_max_connections: int = Field(2048, description="SDK HTTP connection pool size per Client")
+    client_max_keepalive: int = Field(1024, description="SDK idle keep-alive connections kept per Client")
+    api_retry_after_s: float = Field(1.0, description="Retry-After sent with 429 when no better hint")
+    api_audit_flush_s: float = Field(0.2, description="Audit records are batched and flushed this often")
+    api_prune_interval_s: float = Field(60.0, description="How often dead sandboxes' audit is pruned")
+    api_shutdown_grace_s: float = Field(10.0, description="Graceful shutdown: wait this long for requests")
+    api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
+    demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
+    demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
+
     # --- sandbox defaults (SPEC §1) ----------------------------------------------
     default_cpu: float = Field(4.0, description="CPUs per sandbox")
     default_memory: str = Field("8G", description="Memory per sandbox")
