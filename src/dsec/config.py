@@ -50,6 +50,7 @@ class Settings(BaseSettings):
     api_audit_flush_s: float = Field(0.2, description="Audit records are batched and flushed this often")
     api_prune_interval_s: float = Field(60.0, description="How often dead sandboxes' audit is pruned")
     api_shutdown_grace_s: float = Field(10.0, description="Graceful shutdown: wait this long for requests")
+    api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
