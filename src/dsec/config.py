@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     priority_aging_s: float = Field(30.0, description="Queued this long, a request moves up one priority class")
     tenant_max_sandboxes: int = Field(100000, description="Default per-tenant quota: concurrent sandboxes")
     tenant_max_cpu: float = Field(1e9, description="Default per-tenant quota: CPUs in use")
-    tenant_max_memory: str = Field("1P", description="Default per-tenant quota: memory in use")
+    tenant_max_memory: str = Field("1024T", description="Default per-tenant quota: memory in use")
     tenant_max_queued: int = Field(10000, description="Max queued requests per tenant")
     backpressure_parallel_boost: float = Field(2.0, description="Per-node parallel creates x this under backpressure")
     retry_after_min_s: float = Field(0.5, description="Smallest Retry-After sent under backpressure")

@@ -1,0 +1,96 @@
+"""Overcommit: per-node usage windows and the admission rule.
+
+Agents idle most of the time (waiting on the model), so requested CPU overstates real
+use. A node therefore admits allocations up to ``overcommit_ratio`` x capacity while its
+*predicted* usage stays below ``overcommit_threshold``; above it, nothing new is admitted.
+
+predicted = max(mean of the last ``overcommit_window_s`` (sliding),
+                mean of the last ``overcommit_predict_window_s`` x ``overcommit_predict_factor``)
+
+The recent-window term is our addition to the seed rule: a sudden spike blocks admission
+at once instead of after it has moved the 10-minute mean.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dsec.config import Settings
+from dsec.control.types import Node, Request
+
+
+class UsageWindow:
+    """Usage fraction samples of one node (0..1 of capacity, may exceed 1 when overloaded)."""
+
+    __slots__ = ("window_s", "predict_s", "factor", "_recent", "_recent_sum", "_buckets",
+                 "_bucket_s", "_nbuckets")
+
+    def __init__(self, window_s: float, predict_s: float, factor: float) -> None:
+        if window_s <= 0 or predict_s < window_s:
+            raise ValueError(f"need 0 < overcommit_window_s ({window_s}) <= predict window ({predict_s})")
+        self.window_s = window_s
+        self.predict_s = predict_s
+        self.factor = factor
+        self._recent: deque[tuple[float, float]] = deque()
+        self._recent_sum = 0.0
+        # Long window in buckets of window_s: index -> [sum, n].
+        self._bucket_s = window_s
+        self._nbuckets = max(1, round(predict_s / window_s))
+        self._buckets: dict[int, list[float]] = {}
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> UsageWindow:
+        return cls(s.overcommit_window_s, s.overcommit_predict_window_s, s.overcommit_predict_factor)
+
+    def add(self, now: float, frac: float) -> None:
+        self._recent.append((now, frac))
+        self._recent_sum += frac
+        cutoff = now - self.window_s
+        while self._recent and self._recent[0][0] < cutoff:
+            self._recent_sum -= self._recent.popleft()[1]
+        b = int(now // self._bucket_s)
+        cell = self._buckets.get(b)
+        if cell is None:
+            self._buckets[b] = cell = [0.0, 0.0]
+            for old in [k for k in self._buckets if k <= b - self._nbuckets]:
+                del self._buckets[old]
+        cell[0] += frac
+        cell[1] += 1
+
+    def recent_mean(self) -> float:
+        return self._recent_sum / len(self._recent) if self._recent else 0.0
+
+    def long_mean(self) -> float:
+        total = sum(c[0] for c in self._buckets.values())
+        n = sum(c[1] for c in self._buckets.values())
+        return total / n if n else 0.0
+
+    def predicted(self) -> float:
+        return max(self.recent_mean(), self.long_mean() * self.factor)
+
+
+def fits(node: Node, req: Request, ratio: float, threshold: float) -> bool:
+    """Can ``node`` admit ``req`` under the overcommit rule? Pure; hot path.
+
+    CPU and memory may be allocated up to ``ratio`` x capacity while predicted usage is
+    below ``threshold``; disk, GPU slices and the sandbox count are never overcommitted.
+    """
+    if node.predicted >= threshold:
+        return False
+    if node.used_cpu + req.cpu > node.cpu * ratio + 1e-9:
+        return False
+    if node.used_memory + req.memory > node.memory * ratio:
+        return False
+    if node.used_disk + req.disk > node.disk or node.count >= node.max_sandboxes:
+        return False
+    if req.gpu is not None and node.gpu_used.get(req.gpu, 0) >= node.gpus.get(req.gpu, 0):
+        return False
+    return True
+
+
+def could_ever_fit(node: Node, req: Request, ratio: float) -> bool:
+    """Would ``req`` fit on an empty, healthy ``node``? Used to reject impossible requests."""
+    return (req.cpu <= node.cpu * ratio and req.memory <= node.memory * ratio
+            and req.disk <= node.disk and req.isolation in node.isolation
+            and (req.gpu is None or node.gpus.get(req.gpu, 0) > 0)
+            and all(node.labels.get(k) == v for k, v in req.selector.items()))

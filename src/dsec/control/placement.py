@@ -1,0 +1,267 @@
+"""Instance-level placement: filter nodes, then score them. Pure; the hot path.
+
+``OursPolicy`` is DSec's policy; ``RandomPolicy``, ``LeastLoadedPolicy`` and
+``K8sPolicy`` (ImageLocality + NodeResourcesFit/LeastAllocated, as kube-scheduler scores
+by default) are the baselines the simulator compares against. All share one signature:
+``choose(req, image, cluster, rng) -> (node, missing_bytes) | None``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from dsec.config import Settings
+from dsec.control.overcommit import fits
+from dsec.control.types import Image, Node, Request
+
+
+class IndexedSet:
+    """A set with O(1) add/remove and O(k) random sampling (list + position map)."""
+
+    __slots__ = ("items", "pos")
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.pos: dict[str, int] = {}
+
+    def add(self, x: str) -> None:
+        if x not in self.pos:
+            self.pos[x] = len(self.items)
+            self.items.append(x)
+
+    def discard(self, x: str) -> None:
+        i = self.pos.pop(x, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if i < len(self.items):
+            self.items[i] = last
+            self.pos[last] = i
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __contains__(self, x: object) -> bool:
+        return x in self.pos
+
+
+class ClusterView:
+    """Nodes plus the layer -> nodes index the scheduler maintains for placement."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.node_list: list[Node] = []
+        self.layer_index: dict[str, IndexedSet] = {}
+
+    def add_node(self, node: Node) -> None:
+        if node.node_id in self.nodes:
+            raise ValueError(f"node {node.node_id!r} already registered")
+        self.nodes[node.node_id] = node
+        self.node_list.append(node)
+        for d in node.layers:
+            self.layer_index.setdefault(d, IndexedSet()).add(node.node_id)
+
+    def remove_node(self, node_id: str) -> Node | None:
+        node = self.nodes.pop(node_id, None)
+        if node is not None:
+            self.node_list = [n for n in self.node_list if n.node_id != node_id]
+            for d in node.layers:
+                idx = self.layer_index.get(d)
+                if idx is not None:
+                    idx.discard(node_id)
+        return node
+
+    def add_layers(self, node: Node, digests: list[str] | tuple[str, ...] | set[str]) -> None:
+        for d in digests:
+            if d not in node.layers:
+                node.layers.add(d)
+                self.layer_index.setdefault(d, IndexedSet()).add(node.node_id)
+
+    def remove_layers(self, node: Node, digests: list[str] | tuple[str, ...] | set[str]) -> None:
+        for d in digests:
+            if d in node.layers:
+                node.layers.discard(d)
+                idx = self.layer_index.get(d)
+                if idx is not None:
+                    idx.discard(node.node_id)
+
+
+def missing_bytes(node: Node, image: Image) -> int:
+    have = node.layers
+    return sum(s for d, s in image.layers if d not in have)
+
+
+def _eligible(node: Node, req: Request, ratio: float, threshold: float) -> bool:
+    if not node.healthy or req.isolation not in node.isolation or node.node_id in req.excluded:
+        return False
+    if req.selector and any(node.labels.get(k) != v for k, v in req.selector.items()):
+        return False
+    return fits(node, req, ratio, threshold)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, req: Request, image: Image, cluster: ClusterView,
+               rng: random.Random) -> tuple[Node, int] | None: ...
+
+
+class OursPolicy:
+    """Layer coverage in bytes + load + predicted load, with a per-batch spread penalty.
+
+    Small clusters: every node is a candidate. Large clusters (> ``sparrow_min_nodes``):
+    a sample of nodes holding the image's largest layer plus ``sparrow_probes`` random
+    probes (Sparrow's power of d choices), so a decision costs O(candidates), not O(nodes).
+    Nodes missing more than ``image_miss_threshold`` of the image's bytes are refused
+    while a candidate within the threshold exists.
+    """
+
+    name = "ours"
+
+    def __init__(self, s: Settings) -> None:
+        self.ratio = s.overcommit_ratio
+        self.threshold = s.overcommit_threshold
+        self.miss = s.image_miss_threshold
+        self.wl, self.wload, self.wp = s.place_w_locality, s.place_w_load, s.place_w_predicted
+        self.spread = s.place_spread
+        self.k = s.locality_candidates
+        self.d = s.sparrow_probes
+        self.min_nodes = s.sparrow_min_nodes
+
+    def candidates(self, image: Image, cluster: ClusterView, rng: random.Random) -> list[Node]:
+        nl = cluster.node_list
+        if len(nl) <= self.min_nodes:
+            return nl
+        nodes = cluster.nodes
+        out: list[Node] = []
+        holders = cluster.layer_index.get(image.anchor)
+        if holders is not None and len(holders):
+            items = holders.items
+            picks = items if len(items) <= self.k else rng.sample(items, self.k)
+            out = [nodes[h] for h in picks]
+        n = len(nl)
+        for _ in range(self.d):
+            out.append(nl[int(rng.random() * n)])
+        return out
+
+    def choose(self, req: Request, image: Image, cluster: ClusterView,
+               rng: random.Random) -> tuple[Node, int] | None:
+        total = image.total_bytes or 1
+        layers = image.layers
+        ratio, thr = self.ratio, self.threshold
+        best = best_near = None
+        best_s = best_near_s = -1e18
+        best_m = best_near_m = 0
+        for node in self.candidates(image, cluster, rng):
+            if not _eligible(node, req, ratio, thr):
+                continue
+            have = node.layers
+            miss = 0
+            for d, sz in layers:
+                if d not in have:
+                    miss += sz
+            score = (self.wl * (1.0 - miss / total) - self.wload * (node.used_cpu / node.cpu)
+                     - self.wp * node.predicted - self.spread * node.batch_load)
+            if score > best_s:
+                best, best_s, best_m = node, score, miss
+            if miss <= self.miss * total and score > best_near_s:
+                best_near, best_near_s, best_near_m = node, score, miss
+        if best_near is not None:
+            return best_near, best_near_m
+        return (best, best_m) if best is not None else None
+
+
+class RandomPolicy:
+    """Baseline: a uniformly random feasible node."""
+
+    name = "random"
+
+    def __init__(self, s: Settings) -> None:
+        self.ratio, self.threshold = s.overcommit_ratio, s.overcommit_threshold
+
+    def choose(self, req: Request, image: Image, cluster: ClusterView,
+               rng: random.Random) -> tuple[Node, int] | None:
+        nl = cluster.node_list
+        n = len(nl)
+        for _ in range(32):
+            node = nl[int(rng.random() * n)]
+            if _eligible(node, req, self.ratio, self.threshold):
+                return node, missing_bytes(node, image)
+        ok = [x for x in nl if _eligible(x, req, self.ratio, self.threshold)]
+        if not ok:
+            return None
+        node = ok[int(rng.random() * len(ok))]
+        return node, missing_bytes(node, image)
+
+
+class LeastLoadedPolicy:
+    """Baseline: the feasible node with the lowest allocated CPU fraction."""
+
+    name = "least-loaded"
+
+    def __init__(self, s: Settings) -> None:
+        self.ratio, self.threshold = s.overcommit_ratio, s.overcommit_threshold
+
+    def choose(self, req: Request, image: Image, cluster: ClusterView,
+               rng: random.Random) -> tuple[Node, int] | None:
+        best, best_f = None, 1e18
+        for node in cluster.node_list:
+            f = node.used_cpu / node.cpu
+            if f < best_f and _eligible(node, req, self.ratio, self.threshold):
+                best, best_f = node, f
+        return (best, missing_bytes(best, image)) if best is not None else None
+
+
+class K8sPolicy:
+    """Baseline modelled on kube-scheduler defaults.
+
+    Scores a sample of feasible nodes (percentageOfNodesToScore: adaptive, >= 100 nodes)
+    with NodeResourcesFit/LeastAllocated (0..100) + ImageLocality (0..100: bytes present,
+    each layer scaled by the fraction of nodes holding it, clamped between 23 MB and
+    1000 MB) with equal weights.
+    """
+
+    name = "k8s"
+    MIN_BYTES = 23 * 1024 * 1024
+    MAX_BYTES = 1000 * 1024 * 1024
+
+    def __init__(self, s: Settings) -> None:
+        self.ratio, self.threshold = s.overcommit_ratio, s.overcommit_threshold
+
+    def choose(self, req: Request, image: Image, cluster: ClusterView,
+               rng: random.Random) -> tuple[Node, int] | None:
+        nl = cluster.node_list
+        n = len(nl)
+        pct = max(5.0, 50.0 - n / 125.0)
+        want = max(min(n, 100), int(n * pct / 100.0))
+        total_nodes = float(n)
+        spread = [(d, sz * len(cluster.layer_index.get(d) or ()) / total_nodes) for d, sz in image.layers]
+        start = int(rng.random() * n)
+        best, best_s, found = None, -1e18, 0
+        for i in range(n):
+            node = nl[(start + i) % n]
+            if not _eligible(node, req, self.ratio, self.threshold):
+                continue
+            found += 1
+            have = node.layers
+            loc = sum(w for d, w in spread if d in have)
+            loc = min(max(loc, self.MIN_BYTES), self.MAX_BYTES)
+            loc_score = 100.0 * (loc - self.MIN_BYTES) / (self.MAX_BYTES - self.MIN_BYTES)
+            fit = 50.0 * ((1 - node.used_cpu / node.cpu) + (1 - node.used_memory / node.memory))
+            score = loc_score + fit
+            if score > best_s:
+                best, best_s = node, score
+            if found >= want:
+                break
+        return (best, missing_bytes(best, image)) if best is not None else None
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (OursPolicy, RandomPolicy, LeastLoadedPolicy, K8sPolicy)}
+
+
+def make_policy(name: str, s: Settings) -> Policy:
+    try:
+        return POLICIES[name](s)
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; choose one of {sorted(POLICIES)}") from None

@@ -1,0 +1,129 @@
+"""Warm-pool bookkeeping inside the scheduler (the sizing policy is ``warmpool``).
+
+Pool members are ordinary sandboxes owned by the pseudo-tenant ``__pool__``: placed by
+the same policy, holding their allocation on their node, and counted per node (at most
+``warm_pool_max_per_node``). A request of a member's shape takes one (a warm hit): the
+member changes owner and its TTL starts at that moment.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsec.config import Settings
+from dsec.control.types import LOW, Placement, Request, Running, Shape
+from dsec.control.warmpool import Member, PoolDemand, plan_pools
+
+if TYPE_CHECKING:
+    from dsec.control.scheduler import Scheduler
+
+
+class PoolBook:
+    TENANT = "__pool__"
+
+    def __init__(self, s: Settings, sched: Scheduler) -> None:
+        self.s = s
+        self.sched = sched
+        self.demand = PoolDemand(s)
+        self.free: dict[Shape, list[Running]] = {}
+        self.inflight: dict[Shape, int] = {}
+        self.targets: dict[Shape, int] = {}
+        self.dirty: set[Shape] = set()
+        self.next_plan = 0.0
+        self._seq = 0
+        self.destroyed: dict[str, int] = {}
+
+    def size(self) -> int:
+        return sum(len(v) for v in self.free.values())
+
+    def take(self, req: Request) -> Running | None:
+        lst = self.free.get(req.shape)
+        if not lst:
+            self.dirty.add(req.shape)
+            return None
+        nodes = self.sched.cluster.nodes
+        for i in range(len(lst) - 1, -1, -1):
+            r = lst[i]
+            node = nodes[r.node_id]
+            if not node.healthy or r.node_id in req.excluded:
+                continue
+            if req.selector and any(node.labels.get(k) != v for k, v in req.selector.items()):
+                continue
+            lst.pop(i)
+            node.warm_count -= 1
+            self.dirty.add(req.shape)
+            return r
+        return None
+
+    def member_ready(self, r: Running, now: float) -> None:
+        shape = r.shape
+        assert shape is not None
+        self.inflight[shape] = self.inflight.get(shape, 1) - 1
+        self.free.setdefault(shape, []).append(r)
+        self.sched.cluster.nodes[r.node_id].warm_count += 1
+
+    def member_failed(self, req: Request) -> None:
+        self.inflight[req.shape] = self.inflight.get(req.shape, 1) - 1
+
+    def member_gone(self, r: Running) -> None:
+        lst = self.free.get(r.shape)  # type: ignore[arg-type]
+        if lst is not None:
+            try:
+                lst.remove(r)
+            except ValueError:
+                return
+            node = self.sched.cluster.nodes.get(r.node_id)
+            if node is not None:
+                node.warm_count -= 1
+
+    def replenish(self, now: float) -> list[Placement]:
+        """Pool creations (and expiries) due now; called at the end of every batch."""
+        out: list[Placement] = []
+        sched = self.sched
+        if now >= self.next_plan:
+            self.next_plan = now + self.s.warm_pool_refill_s
+            self.targets = self.demand.targets(now)
+            members = {sh: [Member(r.sandbox_id, r.node_id, sh, r.started_at, r.image_version) for r in lst]
+                       for sh, lst in self.free.items() if lst}
+            versions = {name: img.version for name, img in sched.images.items()}
+            plan = plan_pools(now, self.targets, members, self.inflight, versions, self.s)
+            for sid, why in plan.destroy:
+                r = sched.running.get(sid)
+                if r is not None:
+                    sched.on_released(sid, now)
+                    out.append(Placement("destroy", r.node_id, sandbox_id=sid, shape=r.shape))
+                    self.destroyed[why] = self.destroyed.get(why, 0) + 1
+            todo = plan.create
+        else:
+            todo = {}
+            for shape in self.dirty:
+                gap = self.targets.get(shape, 0) - len(self.free.get(shape, ())) - self.inflight.get(shape, 0)
+                if gap > 0:
+                    todo[shape] = gap
+        self.dirty.clear()
+        if not todo:
+            return out
+        # Requests that could not be placed this batch come first: no new members then.
+        if len(sched.queues):
+            return out
+        cap = self.s.warm_pool_max_per_node
+        for shape, n in todo.items():
+            image = sched.images.get(shape[0])
+            if image is None:
+                continue
+            for _ in range(n):
+                self._seq += 1
+                req = Request(f"pool-{self._seq}", self.TENANT, shape[0], shape[2], shape[3], shape[4], LOW,
+                              shape[1], None, shape[5], 0.0, submitted_at=now)
+                choice = sched.policy.choose(req, image, sched.cluster, sched.rng)
+                if choice is None or choice[0].warm_count + choice[0].inflight >= cap:
+                    break
+                node, miss = choice
+                sched._alloc(node, req.cpu, req.memory, req.disk, None, 1)
+                node.inflight += 1
+                node.batch_load += 1
+                sched._touched.append(node)
+                sched.placed[req.request_id] = (req, node.node_id)
+                self.inflight[shape] = self.inflight.get(shape, 0) + 1
+                out.append(Placement("pool", node.node_id, req, shape=shape, missing_bytes=miss))
+        return out

@@ -1,0 +1,154 @@
+"""Plain data of the control plane's hot path.
+
+These are ``slots`` dataclasses, not pydantic models, on purpose: the scheduler makes
+thousands of decisions per second over thousands of nodes, and attribute access on a
+slots dataclass is several times cheaper than on a pydantic model. Validation happens
+once at the edge (``dsec.control.convert`` turns a ``SandboxSpec`` into a ``Request``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+HIGH, MEDIUM, LOW = 0, 1, 2
+PRIORITIES: dict[str, int] = {"high": HIGH, "medium": MEDIUM, "low": LOW}
+PRIORITY_NAMES: tuple[str, ...] = ("high", "medium", "low")
+
+# (image, isolation, cpu, memory, disk, network): sandboxes of one shape are interchangeable.
+Shape = tuple[str, str, float, int, int, bool]
+
+
+@dataclass(slots=True)
+class Image:
+    """An image's layer index: ordered (digest, size) pairs and a version for pool expiry."""
+
+    name: str
+    layers: tuple[tuple[str, int], ...]
+    version: str = ""
+    total_bytes: int = 0
+    # The largest layer keys the locality index: a node holding it likely holds the rest.
+    anchor: str = ""
+
+    def __post_init__(self) -> None:
+        self.total_bytes = sum(s for _, s in self.layers)
+        if self.layers:
+            self.anchor = max(self.layers, key=lambda ds: ds[1])[0]
+
+
+@dataclass(slots=True)
+class Request:
+    """One create request as the scheduler sees it."""
+
+    request_id: str
+    tenant: str
+    image: str
+    cpu: float
+    memory: int
+    disk: int
+    priority: int = MEDIUM
+    isolation: str = "container"
+    gpu: str | None = None
+    network: bool = False
+    ttl: float = 1800.0
+    labels: dict[str, str] = field(default_factory=dict)
+    selector: dict[str, str] = field(default_factory=dict)
+    task_type: str | None = None
+    owner: str | None = None  # lease owner (run id / client session)
+    submitted_at: float = 0.0
+    # Set by the scheduler.
+    attempts: int = 0
+    not_before: float = 0.0
+    excluded: set[str] = field(default_factory=set)
+    resume_of: str | None = None
+    abnormal: bool = False
+    payload: Any = None  # the driver keeps the original SandboxSpec here
+
+    @property
+    def shape(self) -> Shape:
+        return (self.image, self.isolation, self.cpu, self.memory, self.disk, self.network)
+
+
+@dataclass(slots=True)
+class Node:
+    """The scheduler's view of one node: capacity, allocation, layers, usage, pool members."""
+
+    node_id: str
+    cpu: float
+    memory: int
+    disk: int
+    max_sandboxes: int = 2000
+    isolation: frozenset[str] = frozenset({"container"})
+    gpus: dict[str, int] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    healthy: bool = True
+    # Allocation (requests of running + creating + warm sandboxes).
+    used_cpu: float = 0.0
+    used_memory: int = 0
+    used_disk: int = 0
+    count: int = 0
+    gpu_used: dict[str, int] = field(default_factory=dict)
+    inflight: int = 0  # creations started and not finished
+    layers: set[str] = field(default_factory=set)
+    # Usage fraction (0..1+) from ``UsageWindow``; cached so scoring is one attribute read.
+    predicted: float = 0.0
+    warm: dict[Shape, list[str]] = field(default_factory=dict)  # shape -> idle member ids
+    warm_count: int = 0
+    batch_load: int = 0  # placed on this node in the current batch (spread factor)
+
+
+@dataclass(slots=True)
+class Placement:
+    """A decision for the driver.
+
+    kind: ``create`` (start a new sandbox), ``warm`` (hand over the idle pool member
+    ``sandbox_id``), ``pool`` (pre-create a pool member of ``shape``).
+    ``evict`` lists sandboxes the driver must remove first (idle pool members, or
+    preemption victims, which it checkpoints before stopping).
+    """
+
+    kind: str
+    node_id: str
+    request: Request | None = None
+    sandbox_id: str | None = None
+    shape: Shape | None = None
+    missing_bytes: int = 0
+    evict: list[str] = field(default_factory=list)
+    preempt: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Running:
+    """A sandbox the scheduler accounts for (running or idle pool member)."""
+
+    sandbox_id: str
+    node_id: str
+    tenant: str
+    priority: int
+    cpu: float
+    memory: int
+    disk: int
+    gpu: str | None
+    started_at: float
+    request_id: str | None = None
+    shape: Shape | None = None
+    pool: bool = False
+    image_version: str = ""
+    request: Request | None = None
+    owner: str | None = None
+    expires_at: float | None = None  # set at hand-over: the TTL starts then
+    labels: dict[str, str] = field(default_factory=dict)
+    task_type: str | None = None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """What a client learns about its queued request."""
+
+    request_id: str
+    state: str  # queued | placed | created | failed
+    position: int = 0
+    eta_s: float = 0.0
+    sandbox_id: str | None = None
+    node_id: str | None = None
+    error: str | None = None

@@ -1,0 +1,132 @@
+"""Warm pools per shape: how many members to keep, which to expire. Pure.
+
+Demand signal: acquisitions (requests of a shape, hit or miss) per bucket of
+``warm_pool_refill_s`` -- the time a taken member needs to be rebuilt. The peak bucket
+over ``warm_pool_window_s`` is the peak number of members wanted at once before
+replacements arrive (Little's law: concurrency = rate x rebuild time), and the target is
+that peak x ``warm_pool_factor`` (rounded up). One tenant's demand counts at most
+``warm_pool_max_per_tenant`` per bucket, the cluster keeps at most ``warm_pool_max_total``
+members, and placement keeps at most ``warm_pool_max_per_node`` per node.
+
+Members expire when idle longer than ``warm_pool_max_idle_s`` or when their image's
+version changed; expired or surplus members are destroyed and (if still wanted)
+rebuilt by the next plan. A member's TTL starts when it is handed to a user.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from dsec.config import Settings
+from dsec.control.types import Shape
+
+
+class _Demand:
+    """Sliding-window maximum of per-bucket acquisition counts (monotonic deque, O(1))."""
+
+    __slots__ = ("bucket", "count", "per_tenant", "maxq")
+
+    def __init__(self, bucket: int) -> None:
+        self.bucket = bucket
+        self.count = 0
+        self.per_tenant: dict[str, int] = {}
+        self.maxq: deque[tuple[int, int]] = deque()  # (bucket, count), counts decreasing
+
+    def close(self) -> None:
+        c = self.count
+        while self.maxq and self.maxq[-1][1] <= c:
+            self.maxq.pop()
+        self.maxq.append((self.bucket, c))
+
+    def peak(self, bucket: int, nbuckets: int) -> int:
+        while self.maxq and self.maxq[0][0] <= bucket - nbuckets:
+            self.maxq.popleft()
+        closed = self.maxq[0][1] if self.maxq else 0
+        return max(closed, self.count if self.bucket > bucket - nbuckets else 0)
+
+
+class PoolDemand:
+    def __init__(self, s: Settings) -> None:
+        if s.warm_pool_refill_s <= 0 or s.warm_pool_window_s < s.warm_pool_refill_s:
+            raise ValueError("need 0 < warm_pool_refill_s <= warm_pool_window_s")
+        self.bucket_s = s.warm_pool_refill_s
+        self.nbuckets = max(1, round(s.warm_pool_window_s / s.warm_pool_refill_s))
+        self.per_tenant_cap = s.warm_pool_max_per_tenant
+        self.factor = s.warm_pool_factor
+        self.max_total = s.warm_pool_max_total
+        self.shapes: dict[Shape, _Demand] = {}
+
+    def observe(self, now: float, shape: Shape, tenant: str) -> None:
+        b = int(now // self.bucket_s)
+        d = self.shapes.get(shape)
+        if d is None:
+            d = self.shapes[shape] = _Demand(b)
+        elif d.bucket != b:
+            d.close()
+            d.bucket, d.count = b, 0
+            d.per_tenant.clear()
+        n = d.per_tenant.get(tenant, 0)
+        if n < self.per_tenant_cap:
+            d.per_tenant[tenant] = n + 1
+            d.count += 1
+
+    def targets(self, now: float) -> dict[Shape, int]:
+        """Pool size per shape; shapes with no demand in the window get 0 and are forgotten."""
+        b = int(now // self.bucket_s)
+        out: dict[Shape, int] = {}
+        for shape, d in list(self.shapes.items()):
+            if d.bucket != b and d.bucket > b - self.nbuckets:
+                d.close()
+                d.bucket, d.count = b, 0
+                d.per_tenant.clear()
+            p = d.peak(b, self.nbuckets)
+            if p == 0:
+                del self.shapes[shape]
+                continue
+            out[shape] = math.ceil(p * self.factor)
+        total = sum(out.values())
+        if total > self.max_total:
+            scale = self.max_total / total
+            out = {k: int(v * scale) for k, v in out.items()}
+        return out
+
+
+@dataclass(slots=True)
+class Member:
+    sandbox_id: str
+    node_id: str
+    shape: Shape
+    created_at: float
+    image_version: str
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    create: dict[Shape, int] = field(default_factory=dict)
+    destroy: list[tuple[str, str]] = field(default_factory=list)  # (sandbox_id, reason)
+
+
+def plan_pools(now: float, targets: dict[Shape, int], members: dict[Shape, list[Member]],
+               inflight: dict[Shape, int], versions: dict[str, str], s: Settings) -> PoolPlan:
+    """Given demand targets and current members, what to create and destroy per shape."""
+    plan = PoolPlan()
+    for shape in set(targets) | set(members):
+        want = targets.get(shape, 0)
+        keep: list[Member] = []
+        for m in members.get(shape, ()):
+            if versions.get(shape[0], m.image_version) != m.image_version:
+                plan.destroy.append((m.sandbox_id, "image_changed"))
+            elif now - m.created_at > s.warm_pool_max_idle_s:
+                plan.destroy.append((m.sandbox_id, "idle_expired"))
+            else:
+                keep.append(m)
+        surplus = len(keep) + inflight.get(shape, 0) - want
+        if surplus > 0:
+            keep.sort(key=lambda m: m.created_at)
+            for m in keep[:surplus]:
+                plan.destroy.append((m.sandbox_id, "surplus"))
+        elif surplus < 0:
+            plan.create[shape] = -surplus
+    return plan
