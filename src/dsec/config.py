@@ -145,6 +145,11 @@ class Settings(BaseSettings):
     checkpoint_keep: int = Field(5, description="Checkpoint units kept per episode")
     checkpoint_full_every: int = Field(20, description="Full checkpoint every N incremental ones")
 
+    # --- in-sandbox exec agent (owner: exec agent; docs/exec-agent.md) -----------------
+    agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")
+    agent_grace_s: float = Field(10.0, description="Wait past an exec's timeout before the agent is declared lost")
+    agent_listen_backlog: int = Field(4096, description="listen() backlog of each sandbox's agent socket")
+
     # --- state / cluster --------------------------------------------------------------
     state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for multi-node state")
