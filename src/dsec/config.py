@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     layer_compression: str = Field("zstd", description="zstd (default) or gzip for layers we write")
     layer_zstd_level: int = Field(3, description="zstd level for layers we write")
 
+    # --- image store / builder (owner: images; docs/images.md) ------------------------
+    image_stock_cache_dir: Path = Field(Path("/var/cache/dsec"), description="Cache of stock rootfs tarballs (mmdebstrap)")
+    image_stock_suite: str = Field("bookworm", description="Debian suite of the stock python image")
+    image_build_step_timeout_s: float = Field(1800.0, description="Wall timeout of one RUN build step")
+    image_build_output_max_bytes: int = Field(1024 * 1024, description="RUN step output kept (tail) per step")
+
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")
     queue_high_watermark: float = Field(0.80, description="Backpressure on above this depth fraction")
