@@ -1,0 +1,216 @@
+"""asyncio client of the in-sandbox exec agent (dsec-init); the node agent's only exec path.
+
+One connection per request (the agent forks one handler per connection, so a slow
+command never blocks another). Closing a connection before the exit frame cancels the
+exec: the agent kills the command's whole process tree. A timeout is a result
+(``timed_out=True``), not an exception; an unreachable agent or a broken stream raises
+``SandboxFailure`` naming the socket. Wire format: docs/exec-agent.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dsec.config import get_settings
+from dsec.errors import DSecError, SandboxFailure
+from dsec.models import BackgroundProcess
+from dsec.runtime.agent import protocol as p
+
+__all__ = [
+    "ExecOutcome", "agent_exec", "agent_exec_stream", "agent_background", "agent_ps", "agent_kill",
+    "agent_ping",
+]
+
+
+@dataclass(frozen=True)
+class ExecOutcome:
+    """Result of one exec. In ``agent_exec_stream`` stdout/stderr are empty (already streamed)."""
+
+    exit_code: int  # 128+signal when killed by a signal (also after a timeout kill)
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+    duration: float  # seconds, host-measured round trip
+    pid: int | None = None  # the command's pid inside the sandbox
+
+
+class _Conn:
+    """One agent connection with frame reads bounded by an optional deadline."""
+
+    def __init__(self, sock_path: Path, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.where = f"socket {sock_path}"
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, sock_path: Path) -> _Conn:
+        timeout = get_settings().agent_connect_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(str(sock_path))
+        except (OSError, TimeoutError) as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+            raise SandboxFailure(
+                f"exec agent at socket {sock_path} is unreachable ({reason}): the sandbox's init "
+                "(dsec-init) is not running or the sandbox is gone; recreate the sandbox",
+                socket=str(sock_path)) from exc
+        return cls(sock_path, reader, writer)
+
+    async def read_frame(self, deadline: float | None = None) -> tuple[bytes, bytes]:
+        try:
+            if deadline is None:
+                return await self._read()
+            async with asyncio.timeout_at(deadline):
+                return await self._read()
+        except TimeoutError:
+            raise SandboxFailure(f"exec agent at {self.where} stopped answering (no reply past the exec "
+                                 "timeout plus grace); the sandbox may be frozen or overloaded",
+                                 socket=self.where) from None
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise SandboxFailure(f"exec agent at {self.where} broke the stream ({exc!r}); the sandbox "
+                                 "or its init process may have died", socket=self.where) from exc
+
+    async def _read(self) -> tuple[bytes, bytes]:
+        length, kind = p.parse_header(await self.reader.readexactly(5))
+        payload = await self.reader.readexactly(length) if length else b""
+        return kind, payload
+
+    async def send(self, data: bytes) -> None:
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except OSError as exc:
+            raise SandboxFailure(f"exec agent at {self.where} refused data ({exc!r})", socket=self.where) from exc
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def unexpected(self, kind: bytes, payload: bytes) -> DSecError:
+        if kind == b"F":
+            err = p.failure_error(payload, self.where)
+            assert isinstance(err, DSecError)
+            return err
+        return SandboxFailure(f"exec agent at {self.where} sent an unexpected {kind!r} frame", socket=self.where)
+
+
+async def _feed_stdin(conn: _Conn, data: bytes) -> None:
+    # A command that exits without reading stdin closes the pipe; the exit frame decides.
+    with contextlib.suppress(OSError, SandboxFailure):
+        for fr in p.stdin_frames(data):
+            conn.writer.write(fr)
+            await conn.writer.drain()
+
+
+async def agent_exec_stream(sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
+                            timeout: float | None, stdin: bytes | None = None,
+                            ) -> AsyncIterator[tuple[str, bytes] | ExecOutcome]:
+    """Yield ("stdout"|"stderr", chunk) as the command writes, then one ExecOutcome.
+
+    Closing the iterator early (``aclose()``, or leaving ``contextlib.aclosing``) closes
+    the connection, and the agent kills the command's process tree.
+    """
+    request = p.encode_exec(argv, env, cwd, timeout, stdin=stdin is not None)
+    start = time.monotonic()
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout + get_settings().agent_grace_s
+    conn = await _Conn.open(sock_path)
+    feeder: asyncio.Task[None] | None = None
+    try:
+        await conn.send(request)
+        if stdin is not None:
+            feeder = asyncio.create_task(_feed_stdin(conn, stdin))
+        pid = None
+        while True:
+            kind, payload = await conn.read_frame(deadline)
+            if kind == b"O":
+                yield ("stdout", payload)
+            elif kind == b"E":
+                yield ("stderr", payload)
+            elif kind == b"S":
+                pid = p.decode_pid(payload)
+            elif kind == b"X":
+                code, timed_out = p.decode_exit(payload)
+                yield ExecOutcome(code, b"", b"", timed_out, False, time.monotonic() - start, pid)
+                return
+            else:
+                raise conn.unexpected(kind, payload)
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+        conn.close()
+
+
+async def agent_exec(sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
+                     timeout: float | None, stdin: bytes | None = None, max_output: int) -> ExecOutcome:
+    """Run argv to completion; keep the first max_output bytes of each stream, drain the rest."""
+    if max_output < 0:
+        raise ValueError(f"max_output must be >= 0, got {max_output}")
+    bufs = {"stdout": bytearray(), "stderr": bytearray()}
+    truncated = False
+    async with contextlib.aclosing(agent_exec_stream(sock_path, argv, env=env, cwd=cwd, timeout=timeout,
+                                                     stdin=stdin)) as stream:
+        async for item in stream:
+            if isinstance(item, ExecOutcome):
+                return replace(item, stdout=bytes(bufs["stdout"]), stderr=bytes(bufs["stderr"]),
+                               truncated=truncated)
+            name, chunk = item
+            buf = bufs[name]
+            room = max_output - len(buf)
+            if len(chunk) > room:
+                truncated = True
+                chunk = chunk[:max(room, 0)]
+            buf += chunk
+    raise SandboxFailure(f"exec agent at socket {sock_path} ended the stream without an exit frame")
+
+
+async def _one_shot(sock_path: Path, request: bytes) -> tuple[bytes, bytes, _Conn]:
+    conn = await _Conn.open(sock_path)
+    try:
+        await conn.send(request)
+        deadline = asyncio.get_running_loop().time() + get_settings().agent_grace_s
+        kind, payload = await conn.read_frame(deadline)
+    finally:
+        conn.close()
+    return kind, payload, conn
+
+
+async def agent_background(sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
+                           output_path: str = "/dev/null") -> int:
+    """Start argv in the background (own session, stdout+stderr appended to output_path,
+    a path inside the sandbox); returns its pid once execve succeeded."""
+    request = p.encode_exec(argv, env, cwd, None, background_output=output_path)
+    kind, payload, conn = await _one_shot(sock_path, request)
+    if kind != b"S":
+        raise conn.unexpected(kind, payload)
+    return p.decode_pid(payload)
+
+
+async def agent_ps(sock_path: Path) -> list[BackgroundProcess]:
+    """Background processes started through the agent (running, or their exit code)."""
+    kind, payload, conn = await _one_shot(sock_path, p.encode_simple(p.OP_PS))
+    if kind != b"L":
+        raise conn.unexpected(kind, payload)
+    return [BackgroundProcess(pid=e.pid, argv=e.argv, started_at=e.started_at, running=e.running,
+                              exit_code=e.exit_code) for e in p.decode_ps(payload)]
+
+
+async def agent_kill(sock_path: Path, pid: int, signal: int) -> None:
+    """Signal a background process's process group and every descendant.
+    Raises NotFound when pid is not a background process of this agent."""
+    kind, payload, conn = await _one_shot(sock_path, p.encode_kill(pid, signal))
+    if kind != b"K":
+        raise conn.unexpected(kind, payload)
+
+
+async def agent_ping(sock_path: Path, timeout: float) -> bool:
+    """True when an agent speaking our protocol version answers within timeout seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            kind, payload, _ = await _one_shot(sock_path, p.encode_simple(p.OP_PING))
+    except (SandboxFailure, OSError, TimeoutError):
+        return False
+    return kind == b"H" and bool(payload) and p.decode_ping(payload)[0] == p.PROTO_VERSION
