@@ -150,6 +150,11 @@ class Settings(BaseSettings):
     checkpoint_roots: list[Path] = Field(default_factory=list, description="Replica roots (default HOME/blobs)")
     checkpoint_keep: int = Field(5, description="Checkpoint units kept per episode")
     checkpoint_full_every: int = Field(20, description="Full checkpoint every N incremental ones")
+    # --- checkpoints: recovery engine (owner: state recovery) ---------------------------
+    checkpoint_cache_dir: Path | None = Field(None, description="Unpacked checkpoint layers (default HOME/ckpt-layers)")
+    checkpoint_gc_grace_s: float = Field(3600.0, description="Unreferenced checkpoint blobs older than this are collected")
+    checkpoint_zstd_level: int = Field(3, description="zstd level of checkpoint layers and trajectory segments")
+    checkpoint_max_context_bytes: int = Field(64 * 1024 * 1024, description="Largest agent context accepted per save")
 
     # --- in-sandbox exec agent (owner: exec agent; docs/exec-agent.md) -----------------
     agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")
