@@ -1,0 +1,234 @@
+"""Image import, export, removal and GC on top of ImageStore.
+
+Failure rule: an import that fails anywhere (corrupt tar, digest mismatch, unknown
+media type, missing blob, unsafe layer) removes every blob and unpacked layer it created
+that no other image references, and registers nothing; existing images are untouched
+(content addressing means it never overwrites a blob with different bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from dsec.errors import DSecError, ImageError, InvalidArgument
+from dsec.images import media, policy
+from dsec.images.oci import normalize_name, plan_archive, write_layout
+from dsec.models.image import ImageInfo, LayerInfo
+
+if TYPE_CHECKING:
+    from dsec.images.store import GcReport, ImageStore, Progress
+
+
+class _Prefixed:
+    """A stream with a few already-read bytes put back in front."""
+
+    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+        self._head = head
+        self._rest = rest
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            if n < 0 or n >= len(self._head):
+                out, self._head = self._head, b""
+                return out + (self._rest.read(n - len(out)) if n >= 0 else self._rest.read())
+            out, self._head = self._head[:n], self._head[n:]
+            return out
+        return self._rest.read(n)
+
+
+def import_archive(store: "ImageStore", path: Path, name: str | None, progress: "Progress | None") -> ImageInfo:
+    src, plans = plan_archive(path)
+    if name and len(plans) > 1:
+        src.close()
+        raise InvalidArgument(f"image archive {path} holds {len(plans)} images; --name needs exactly one")
+    lease = store.new_lease_key("import")
+    new_blobs: list[str] = []
+    new_layers: list[str] = []
+    result: ImageInfo | None = None
+    total = sum(lp.size for p in plans for lp in p.layers)
+    try:
+        for plan in plans:
+            layers: list[LayerInfo] = []
+            for i, lp in enumerate(plan.layers):
+                what = f"layer {i} ({lp.path}) of {path}"
+                with src.open(lp.path) as fh:
+                    head = fh.read(4)
+                    comp = media.sniff_compression(head) if lp.media_type is None else \
+                        media.layer_compression(lp.media_type, what)
+                    mt = lp.media_type or media.COMPRESSION_MT[comp]
+                    expected = lp.digest or (lp.diff_id if comp == "tar" else None)
+                    existed = expected is not None and store.content.has(expected)
+                    adv = (lambda n: progress("import", n, total)) if progress else None
+                    try:
+                        digest, size = store.content.ingest(_Prefixed(head, fh), expected, what, adv)  # type: ignore[arg-type]
+                    except ImageError as exc:
+                        raise type(exc)(f"{exc.message}", **exc.details) from exc
+                if not existed:
+                    new_blobs.append(digest)
+                store.lease(lease, [digest, lp.diff_id])
+                layers.append(LayerInfo(digest=digest, diff_id=lp.diff_id, size=size, media_type=mt))
+            for li in layers:
+                if not store.layers.present(li.diff_id):
+                    new_layers.append(li.diff_id)
+                store.ensure_layer(li, progress)
+            names = [normalize_name(name)] if name else (plan.names or [f"{path.name.split('.')[0]}:latest"])
+            result = store.register(plan.config, layers, names, plan.manifest)
+        assert result is not None
+        return result
+    except BaseException:
+        _rollback(store, new_blobs, new_layers, lease)
+        raise
+    finally:
+        store.release(lease)
+        src.close()
+
+
+def _rollback(store: "ImageStore", blobs: list[str], layers: list[str], lease: str) -> None:
+    store.release(lease)
+    referenced = _referenced(store)
+    leased = store.db.leased_objects()
+    for d in blobs:
+        if d not in referenced and d not in leased:
+            store.content.delete(d)
+    for d in layers:
+        if d not in referenced and d not in leased:
+            store.layers.remove(d)
+
+
+def _referenced(store: "ImageStore") -> set[str]:
+    refs: set[str] = set()
+    for image_id, manifest in store.db.q("SELECT id, manifest_digest FROM images"):
+        refs.update((image_id, manifest))
+    for digest, diff_id in store.db.q("SELECT digest, diff_id FROM image_layers"):
+        refs.update((digest, diff_id))
+    for digest, diff_id in store.db.q("SELECT digest, diff_id FROM build_cache"):
+        refs.update((digest, diff_id))
+    return refs
+
+
+def export(store: "ImageStore", ref: str, path: Path, tag: str | None) -> None:
+    """Write an OCI image layout (directory, or a tar of one when PATH ends in .tar)."""
+    info = store.resolve(ref)
+    mdigest = store.manifest_digest(info.id)
+    digests = [mdigest, info.id] + [li.digest for li in info.layers]
+    for d in digests:
+        store.content.verify(d, f"blob {d} of image {ref}")
+    raw = store.content.read_bytes(mdigest)
+    import json
+    mtype = json.loads(raw).get("mediaType") or media.MT_OCI_MANIFEST
+    if tag is None:
+        tag = ref.rsplit(":", 1)[1] if ":" in ref and not ref.startswith("sha256:") else (
+            info.names[0].rsplit(":", 1)[1] if info.names else "latest")
+    blobs = {d: store.content.path(d) for d in digests}
+    if path.suffix == ".tar":
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            write_layout(Path(tmp), blobs, mdigest, len(raw), mtype, [tag])
+            part = path.with_name(path.name + ".part")
+            with tarfile.open(part, "w", format=tarfile.PAX_FORMAT) as tf:
+                for p in sorted(Path(tmp).rglob("*")):
+                    tf.add(p, arcname=str(p.relative_to(tmp)), recursive=False)
+            os.replace(part, path)
+    else:
+        write_layout(path, blobs, mdigest, len(raw), mtype, [tag])
+
+
+def remove(store: "ImageStore", ref: str) -> list[str]:
+    """Untag a name (removing the image when it was its last name), or remove by id."""
+    image_id = store._resolve_id(ref)
+    by_name = not (ref.startswith("sha256:") or ref == image_id[7:7 + len(ref)])
+    now = time.time()
+    with store.db.tx() as tx:
+        if by_name:
+            tx.execute("DELETE FROM names WHERE name=?", (normalize_name(ref),))
+            left = tx.execute("SELECT COUNT(*) FROM names WHERE image_id=?", (image_id,)).fetchone()[0]
+            if left:
+                return [normalize_name(ref)]
+        names = [r[0] for r in tx.execute("SELECT name FROM names WHERE image_id=?", (image_id,))]
+        rows = tx.execute("SELECT digest FROM image_layers WHERE image_id=?", (image_id,)).fetchall()
+        mdig = tx.execute("SELECT manifest_digest FROM images WHERE id=?", (image_id,)).fetchone()[0]
+        tx.executemany("INSERT OR REPLACE INTO blob_use VALUES (?,?)",
+                       [(d, now) for d in [image_id, mdig] + [r[0] for r in rows]])
+        tx.execute("DELETE FROM names WHERE image_id=?", (image_id,))
+        tx.execute("DELETE FROM image_layers WHERE image_id=?", (image_id,))
+        tx.execute("DELETE FROM images WHERE id=?", (image_id,))
+    store._infos.pop(image_id, None)
+    return [image_id] + names
+
+
+def gc(store: "ImageStore", unused_s: float) -> "GcReport":
+    from dsec.images.store import GcReport
+
+    now = time.time()
+    report = GcReport()
+    with store.db.tx() as tx:
+        tx.execute("DELETE FROM build_cache WHERE created < ?", (now - unused_s,))
+    referenced = _referenced(store)
+    leased = store.db.leased_objects()
+    blob_use = dict(store.db.q("SELECT digest, last_used FROM blob_use"))
+    present_blobs = {}
+    for d in store.content.all_digests():
+        try:
+            present_blobs[d] = max(blob_use.get(d, 0.0), store.content.path(d).stat().st_mtime)
+        except FileNotFoundError:
+            continue
+    for d in policy.gc_candidates(present_blobs, referenced, leased, unused_s, now):
+        with store.locks.hold("blob-" + d):
+            report.freed_bytes += store.content.delete(d)
+        report.removed_blobs.append(d)
+    stats = {r[0]: (r[1], r[2]) for r in store.db.q("SELECT diff_id, last_used, uses FROM layer_stats")}
+    present_layers = {}
+    for d in store.layers.all_diff_ids():
+        present_layers[d] = max(stats.get(d, (0.0, 0))[0], store.layers.dir(d).stat().st_mtime)
+    for d in policy.gc_candidates(present_layers, referenced, leased, unused_s, now):
+        with store.locks.hold("layer-" + d):
+            report.freed_bytes += store.layers.remove(d)
+        report.removed_layers.append(d)
+    # Cache budget over what is left (unpacked dirs only; blobs stay for re-unpack).
+    images = [policy.ImageStat(i, lu or ca) for i, lu, ca in store.db.q("SELECT id, last_used, created_at FROM images")]
+    owners: dict[str, set[str]] = {}
+    for image_id, diff_id in store.db.q("SELECT image_id, diff_id FROM image_layers"):
+        owners.setdefault(diff_id, set()).add(image_id)
+    lstats = []
+    for d in store.layers.all_diff_ids():
+        last, uses = stats.get(d, (present_layers.get(d, now), 0))
+        lstats.append(policy.LayerStat(d, store.layers.unpacked_size(d), uses, last,
+                                       store.layers.dir(d).stat().st_mtime, frozenset(owners.get(d, ()))))
+    for d in policy.plan_eviction(lstats, images, leased, store.settings.image_cache_max_images,
+                                  store.max_bytes(), now):
+        with store.locks.hold("layer-" + d):
+            report.freed_bytes += store.layers.remove(d)
+        report.evicted_layers.append(d)
+    report.removed_temp = store.layers.clean_temp() + _clean_ingest(store)
+    return report
+
+
+def _clean_ingest(store: "ImageStore") -> int:
+    n = 0
+    for p in store.content.ingest_dir.iterdir():
+        pid = p.name[1:].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        elif pid.isdigit():
+            continue
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def safe_rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["import_archive", "export", "remove", "gc", "DSecError"]
