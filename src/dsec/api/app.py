@@ -1,0 +1,79 @@
+"""``create_app(services) -> FastAPI``: the HTTP API. No module globals: everything the
+routes need hangs off ``app.state.services``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from dsec import __version__
+from dsec.api import routes_admin, routes_files, routes_sandboxes
+from dsec.api.errors import install_error_handlers
+from dsec.api.metrics import Metrics
+from dsec.api.services import Services
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+class RequestMetrics:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks streaming).
+
+    Labels by route *template* (``/v1/sandboxes/{sandbox_id}/exec``), never the raw path.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def _send(msg: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.api_seconds.labels(method=scope["method"], route=route,
+                                            status=f"{status // 100}xx").observe(time.perf_counter() - t0)
+
+
+def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
+    """Build the app. With ``manage_lifecycle`` the ASGI lifespan starts and closes the
+    services (node agent reconcile, audit flusher, housekeeping)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_lifecycle:
+            await services.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await services.close()
+
+    app = FastAPI(title="DSec API", version=__version__, lifespan=lifespan,
+                  description="Fast, secure, recoverable sandboxes for AI-agent training. "
+                              "Errors are JSON {code, message, details}.")
+    app.state.services = services
+    install_error_handlers(app, services.settings.api_retry_after_s)
+    app.include_router(routes_sandboxes.router)
+    app.include_router(routes_files.router)
+    app.include_router(routes_admin.images)
+    app.include_router(routes_admin.tenants)
+    app.include_router(routes_admin.system)
+    app.add_middleware(RequestMetrics, metrics=services.metrics)
+    return app

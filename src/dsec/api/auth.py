@@ -1,0 +1,68 @@
+"""Tenant tokens: generation, hashing, lookup with an in-memory cache.
+
+Only sha256(token) is stored. Tokens are 256-bit random strings, so a plain hash is
+enough (no password stretching needed) and lookups stay O(1) on the hot exec path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+
+from dsec.errors import Forbidden, Unauthorized
+from dsec.state.store import StateStore, TenantRecord
+
+TOKEN_PREFIX = "dsec_"
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TenantAuth:
+    """Resolve ``Authorization: Bearer <token>`` to a tenant; cache hits, re-read on miss."""
+
+    def __init__(self, state: StateStore) -> None:
+        self._state = state
+        self._cache: dict[str, TenantRecord] = {}
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+    def authenticate(self, authorization: str | None) -> TenantRecord:
+        if not authorization:
+            raise Unauthorized("missing API token: send 'Authorization: Bearer <token>' "
+                               "(set DSEC_TOKEN, or create one with `dsec tenant add NAME`)")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+        h = hash_token(token.strip())
+        rec = self._cache.get(h)
+        if rec is None:
+            rec = self._state.tenant_by_token_hash(h)
+            if rec is None:
+                raise Unauthorized("invalid API token: check DSEC_TOKEN or ask an admin for a new one "
+                                   "(`dsec tenant add NAME`)")
+            self._cache[h] = rec
+        return rec
+
+    def create_tenant(self, name: str, *, admin: bool = False, max_sandboxes: int | None = None,
+                      max_cpu: float | None = None, max_memory: int | None = None,
+                      images: list[str] | None = None) -> tuple[TenantRecord, str]:
+        token = new_token()
+        rec = TenantRecord(name=name, token_hash=hash_token(token), admin=admin, max_sandboxes=max_sandboxes,
+                           max_cpu=max_cpu, max_memory=max_memory, images=images, created_at=time.time())
+        self._state.put_tenant(rec)
+        self.invalidate()
+        return rec, token
+
+
+def require_admin(tenant: TenantRecord) -> None:
+    if not tenant.admin:
+        raise Forbidden(f"tenant {tenant.name!r} is not an admin: use the admin token "
+                        "(DSEC_HOME/token on the embedded server)")

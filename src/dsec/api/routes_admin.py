@@ -1,0 +1,133 @@
+"""Images, tenants, health and metrics routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import os
+import tempfile
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request, Response
+
+from dsec import __version__
+from dsec.api.auth import require_admin
+from dsec.api.deps import RAW_BODY, Svc, Tenant, read_body_limited
+from dsec.api.schemas import TENANT_NAME_PATTERN, Health, ImageBuildRequest, TenantCreate, TenantCreated, TenantInfo
+from dsec.errors import Conflict, DSecError, NotFound
+from dsec.models import ImageInfo
+
+images = APIRouter(prefix="/v1/images", tags=["images"])
+tenants = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+system = APIRouter(tags=["system"])
+
+ImageRef = Annotated[str, Path(min_length=1, max_length=256, pattern=r"^[^\x00/][^\x00]*$")]
+
+
+def _store(svc: Any) -> Any:
+    if svc.images is None:
+        raise DSecError("this server has no image store configured")
+    return svc.images
+
+
+def _visible(t: Any, info: ImageInfo) -> bool:
+    return t.images is None or any(fnmatch.fnmatchcase(n, g) for n in info.names for g in t.images)
+
+
+@images.get("", response_model=list[ImageInfo], summary="Images this tenant may use")
+async def list_images(svc: Svc, t: Tenant) -> list[ImageInfo]:
+    found = await asyncio.to_thread(_store(svc).list)
+    return [i for i in found if _visible(t, i)]
+
+
+@images.get("/{ref:path}", response_model=ImageInfo)
+async def get_image(ref: ImageRef, svc: Svc, t: Tenant) -> ImageInfo:
+    info = await asyncio.to_thread(_store(svc).resolve, ref)
+    if not _visible(t, info):
+        raise NotFound(f"image {ref!r} not found (or not allowed for tenant {t.name!r})", image=ref)
+    return info
+
+
+@images.post("/import", response_model=ImageInfo, status_code=201, openapi_extra=RAW_BODY,
+             summary="Import an OCI layout / docker-save archive (admin)")
+async def import_image(request: Request, svc: Svc, t: Tenant,
+                       name: Annotated[str, Query(min_length=1, max_length=256)]) -> ImageInfo:
+    require_admin(t)
+    data = await read_body_limited(request, svc.settings.max_upload_bytes)
+    fd, tmp = tempfile.mkstemp(dir=svc.tmp_dir, suffix=".tar")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        return await asyncio.to_thread(_store(svc).import_archive, tmp, name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@images.post("/build", response_model=ImageInfo, status_code=201, summary="Build an image (admin)")
+async def build_image(req: ImageBuildRequest, svc: Svc, t: Tenant) -> ImageInfo:
+    require_admin(t)
+    build = getattr(svc, "build_image", None)
+    if build is None:
+        raise DSecError("image builds are not available on this server")
+    return await build(req)
+
+
+@images.delete("/{ref:path}", status_code=204, summary="Remove an image (admin)")
+async def remove_image(ref: ImageRef, svc: Svc, t: Tenant) -> Response:
+    require_admin(t)
+    await asyncio.to_thread(_store(svc).remove, ref)
+    return Response(status_code=204)
+
+
+@tenants.post("", response_model=TenantCreated, status_code=201, summary="Create a tenant; returns its token once")
+async def add_tenant(req: TenantCreate, svc: Svc, t: Tenant) -> TenantCreated:
+    require_admin(t)
+    if svc.state.get_tenant(req.name) is not None:
+        raise Conflict(f"tenant {req.name!r} already exists; remove it first or pick another name", tenant=req.name)
+    rec, token = svc.auth.create_tenant(req.name, admin=req.admin, max_sandboxes=req.max_sandboxes,
+                                        max_cpu=req.max_cpu, max_memory=req.max_memory,  # type: ignore[arg-type]
+                                        images=req.images)
+    return TenantCreated(tenant=TenantInfo.of(rec), token=token)
+
+
+@tenants.get("", response_model=list[TenantInfo])
+async def list_tenants(svc: Svc, t: Tenant) -> list[TenantInfo]:
+    require_admin(t)
+    return [TenantInfo.of(r) for r in svc.state.list_tenants()]
+
+
+@tenants.delete("/{name}", status_code=204, summary="Remove a tenant and kill its sandboxes")
+async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)], svc: Svc, t: Tenant) -> Response:
+    require_admin(t)
+    if name == t.name:
+        raise Conflict(f"refusing to remove tenant {name!r}: it is the one making this request")
+    victim = svc.state.get_tenant(name)
+    if victim is None:
+        raise NotFound(f"tenant {name!r} not found; list tenants with `dsec tenant ls`", tenant=name)
+    for info in await svc.sandboxes.list(victim):
+        with contextlib.suppress(NotFound):
+            await svc.sandboxes.kill(victim, info.id)
+    svc.state.delete_tenant(name)
+    svc.auth.invalidate()
+    return Response(status_code=204)
+
+
+@tenants.get("/me", response_model=TenantInfo, summary="The tenant this token belongs to")
+async def whoami(t: Tenant) -> TenantInfo:
+    return TenantInfo.of(t)
+
+
+@system.get("/health", response_model=Health, summary="Liveness (no auth)")
+async def health(svc: Svc) -> Health:
+    return Health(status="ok", version=__version__, node=getattr(svc.node, "node_id", None),
+                  sandboxes=len(await svc.node.list()), uptime_s=round(time.time() - svc.started_at, 3))
+
+
+@system.get("/metrics", summary="Prometheus metrics (no auth)", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}}})
+async def metrics(svc: Svc) -> Response:
+    await svc.refresh_metrics()
+    return Response(content=svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,103 @@
+"""Sandbox lifecycle and exec routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+from fastapi.responses import StreamingResponse
+
+from dsec.api.deps import SandboxId, Svc, Tenant
+from dsec.api.schemas import AuditEntry, ErrorLine, BulkKillRequest, BulkKillResult, SignalRequest, TimeoutRequest
+from dsec.errors import DSecError, InvalidArgument
+from dsec.models import BackgroundProcess, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from dsec.node.api import ExecEvent
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+
+def parse_label_filter(items: list[str]) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise InvalidArgument(f"label filter {item!r} must look like key=value", field="label")
+        labels[k] = v
+    return labels
+
+
+@router.post("", response_model=SandboxInfo, status_code=201, summary="Create a sandbox (idempotent by request_id)")
+async def create(spec: SandboxSpec, svc: Svc, t: Tenant) -> SandboxInfo:
+    return await svc.sandboxes.create(t, spec)
+
+
+@router.get("", response_model=list[SandboxInfo], summary="List own sandboxes, filtered by labels")
+async def list_(svc: Svc, t: Tenant,
+                label: Annotated[list[str], Query(max_length=64, description="key=value, repeatable")] = []
+                ) -> list[SandboxInfo]:
+    return await svc.sandboxes.list(t, parse_label_filter(label))
+
+
+@router.post("/kill", response_model=BulkKillResult, summary="Kill every own sandbox matching all labels")
+async def bulk_kill(req: BulkKillRequest, svc: Svc, t: Tenant) -> BulkKillResult:
+    return BulkKillResult(killed=await svc.sandboxes.kill_by_labels(t, req.labels))
+
+
+@router.get("/{sandbox_id}", response_model=SandboxInfo)
+async def get(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> SandboxInfo:
+    return await svc.sandboxes.get(t, sandbox_id)
+
+
+@router.delete("/{sandbox_id}", status_code=204, summary="Kill a sandbox (nothing is left behind)")
+async def kill(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> Response:
+    await svc.sandboxes.kill(t, sandbox_id)
+    return Response(status_code=204)
+
+
+@router.put("/{sandbox_id}/timeout", response_model=SandboxInfo, summary="Set the wall timeout from now")
+async def set_timeout(sandbox_id: SandboxId, req: TimeoutRequest, svc: Svc, t: Tenant) -> SandboxInfo:
+    return await svc.sandboxes.set_timeout(t, sandbox_id, req.timeout)
+
+
+@router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command and wait for it")
+async def exec_(sandbox_id: SandboxId, req: ExecRequest, svc: Svc, t: Tenant) -> ExecResult:
+    return await svc.sandboxes.exec(t, sandbox_id, req)
+
+
+def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
+    async def gen() -> AsyncIterator[bytes]:
+        try:
+            async for ev in events:
+                yield ev.model_dump_json(exclude_none=True).encode() + b"\n"
+        except DSecError as e:  # status already sent: report in-band, the SDK raises it
+            yield ErrorLine(error=e.to_dict()).model_dump_json().encode() + b"\n"
+    return gen()
+
+
+@router.post("/{sandbox_id}/exec/stream", summary="Run a command, streaming output as NDJSON ExecEvents",
+             responses={200: {"content": {"application/x-ndjson": {}}}})
+async def exec_stream(sandbox_id: SandboxId, req: ExecRequest, svc: Svc, t: Tenant) -> StreamingResponse:
+    if req.background:
+        raise InvalidArgument("background=true cannot be streamed; use POST /exec", field="background")
+    events = await svc.sandboxes.exec_stream(t, sandbox_id, req)
+    return StreamingResponse(_ndjson(events), media_type="application/x-ndjson")
+
+
+@router.get("/{sandbox_id}/processes", response_model=list[BackgroundProcess])
+async def processes(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> list[BackgroundProcess]:
+    return await svc.sandboxes.processes(t, sandbox_id)
+
+
+@router.post("/{sandbox_id}/processes/{pid}/signal", status_code=204)
+async def signal(sandbox_id: SandboxId, pid: Annotated[int, Path(ge=1, le=2**22)], req: SignalRequest,
+                 svc: Svc, t: Tenant) -> Response:
+    await svc.sandboxes.kill_process(t, sandbox_id, pid, req.signal)
+    return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/audit", response_model=list[AuditEntry],
+            summary="Audit log (commands, files written); kept after death for the retention period")
+async def audit(sandbox_id: SandboxId, svc: Svc, t: Tenant,
+                limit: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> list[AuditEntry]:
+    return [AuditEntry(**e) for e in await svc.sandboxes.audit_log(t, sandbox_id, limit)]

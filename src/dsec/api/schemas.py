@@ -1,0 +1,97 @@
+"""API-only wire models (pydantic only: the SDK imports this without FastAPI)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dsec.config import parse_bytes
+from dsec.state.store import TenantRecord
+
+TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+
+
+class TimeoutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float = Field(..., gt=0, le=7 * 24 * 3600, description="New wall timeout from now (s)")
+
+
+class BulkKillRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str] = Field(..., min_length=1, description="Kill every own sandbox with all these labels")
+
+
+class BulkKillResult(BaseModel):
+    killed: list[str]
+
+
+class SignalRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    signal: int = Field(9, ge=1, le=64)
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=TENANT_NAME_PATTERN, description="Tenant name (lowercase, [a-z0-9_-])")
+    admin: bool = False
+    max_sandboxes: int | None = Field(None, ge=0, le=1_000_000)
+    max_cpu: float | None = Field(None, ge=0, le=1_000_000)
+    max_memory: int | str | None = Field(None, description="bytes or e.g. '64G'")
+    images: list[str] | None = Field(None, max_length=1024, description="Image name globs allowed (None = all)")
+
+    @field_validator("max_memory")
+    @classmethod
+    def _mem(cls, v: int | str | None) -> int | None:
+        return None if v is None else parse_bytes(v)
+
+
+class TenantInfo(BaseModel):
+    name: str
+    admin: bool
+    max_sandboxes: int | None
+    max_cpu: float | None
+    max_memory: int | None
+    images: list[str] | None
+    created_at: float
+
+    @classmethod
+    def of(cls, rec: TenantRecord) -> "TenantInfo":
+        return cls(**rec.model_dump(exclude={"token_hash"}))
+
+
+class TenantCreated(BaseModel):
+    tenant: TenantInfo
+    token: str = Field(..., description="Shown once; only its hash is stored")
+
+
+class Health(BaseModel):
+    status: str
+    version: str
+    node: str | None
+    sandboxes: int
+    uptime_s: float
+
+
+class AuditEntry(BaseModel):
+    ts: float
+    kind: str
+    data: dict[str, Any]
+
+
+class ImageBuildRequest(BaseModel):
+    """Build a new image from a base plus steps (the images builder's spec)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=256)
+    base: str = Field(..., min_length=1, max_length=256)
+    steps: list[dict[str, Any]] = Field(..., min_length=1, max_length=64,
+                                        description="Build steps, e.g. {'run': 'pip install x'}, "
+                                                    "{'copy': {'/app/a.py': '<text>'}}, {'env': {...}}")
+
+
+class ErrorLine(BaseModel):
+    """In-band error of a streamed exec (the HTTP status was already sent)."""
+
+    kind: Literal["error"] = "error"
+    error: dict[str, Any]

@@ -1,0 +1,324 @@
+"""SandboxService: every sandbox operation of the API goes through here.
+
+It enforces tenancy (ownership, image allow-lists, quotas), idempotent create, audit
+and metrics, then calls the placement seam. Today that seam (``Creator``) is the node
+agent's ``create``; the control plane's scheduler driver plugs in by passing its submit
+function as ``creator`` — nothing else changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import hashlib
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from dsec.api.audit import AuditLog
+from dsec.api.metrics import Metrics
+from dsec.config import Settings, parse_bytes
+from dsec.errors import DSecError, Forbidden, InvalidArgument, NotFound, Overloaded, QuotaExceeded
+from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+from dsec.models.sandbox import SandboxState
+from dsec.node.api import ExecEvent, NodeAgent
+from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
+
+Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]
+"""(spec, sandbox_id, tenant) -> SandboxInfo: where a validated create is placed."""
+
+_DEAD = {SandboxState.destroyed, SandboxState.failed, SandboxState.stopped}
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(8)
+
+
+def _not_found(sandbox_id: str) -> NotFound:
+    return NotFound(f"sandbox {sandbox_id} not found: it never existed, was killed or expired, or belongs "
+                    "to another tenant; list yours with `dsec ps`", sandbox_id=sandbox_id)
+
+
+class SandboxService:
+    def __init__(self, settings: Settings, node: NodeAgent, state: StateStore, metrics: Metrics,
+                 audit: AuditLog, creator: Creator | None = None) -> None:
+        self.settings = settings
+        self.node = node
+        self.state = state
+        self.metrics = metrics
+        self.audit = audit
+        self._creator: Creator = creator or (lambda spec, sid, t: node.create(spec, sandbox_id=sid, tenant=t))
+        self._owners: dict[str, str] = {}
+        self._inflight = 0
+        self._creating: set[str] = set()  # recorded in state, not yet listed by the node
+        self._tenant_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._idem_locks: dict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def set_creator(self, creator: Creator) -> None:
+        """Route creates through another placement path (the scheduler driver)."""
+        self._creator = creator
+
+    # --- checks ------------------------------------------------------------------
+    def _check_image(self, tenant: TenantRecord, image: str) -> None:
+        if tenant.images is not None and not any(fnmatch.fnmatchcase(image, g) for g in tenant.images):
+            raise Forbidden(f"tenant {tenant.name!r} may not use image {image!r}; allowed: "
+                            f"{', '.join(tenant.images) or 'none'} (ask an admin)", image=image)
+
+    def _check_limits(self, tenant: TenantRecord, spec: SandboxSpec) -> None:
+        """Requests that can NEVER fit are 422 naming the limit (retrying would not help)."""
+        cap = self.node.capacity()
+        factor = self.settings.overcommit_ratio
+        if spec.cpu is not None and spec.cpu > cap.cpu * factor:
+            raise InvalidArgument(f"cpu={spec.cpu} exceeds the node limit of {cap.cpu * factor:g} CPUs; "
+                                  "request fewer CPUs", field="cpu", limit=cap.cpu * factor)
+        if isinstance(spec.memory, int) and spec.memory > cap.memory * factor:
+            raise InvalidArgument(f"memory={spec.memory} bytes exceeds the node limit of "
+                                  f"{int(cap.memory * factor)} bytes; request less memory",
+                                  field="memory", limit=int(cap.memory * factor))
+        if isinstance(spec.disk, int) and spec.disk > cap.disk:
+            raise InvalidArgument(f"disk={spec.disk} bytes exceeds the node limit of {cap.disk} bytes",
+                                  field="disk", limit=cap.disk)
+        if spec.isolation is not None and spec.isolation not in cap.isolation:
+            raise InvalidArgument(f"isolation={spec.isolation!r} is not available on this node "
+                                  f"(available: {', '.join(cap.isolation)})", field="isolation")
+        cpu, mem = self._effective(spec)
+        if tenant.max_cpu is not None and cpu > tenant.max_cpu:
+            raise InvalidArgument(f"cpu={cpu:g} exceeds tenant {tenant.name!r} limit max_cpu={tenant.max_cpu:g}",
+                                  field="cpu", limit=tenant.max_cpu)
+        if tenant.max_memory is not None and mem > tenant.max_memory:
+            raise InvalidArgument(f"memory={mem} exceeds tenant {tenant.name!r} limit "
+                                  f"max_memory={tenant.max_memory}", field="memory", limit=tenant.max_memory)
+
+    def _effective(self, spec: SandboxSpec) -> tuple[float, int]:
+        cpu = spec.cpu if spec.cpu is not None else self.settings.default_cpu
+        mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(self.settings.default_memory)
+        return cpu, mem
+
+    async def _check_quota(self, tenant: TenantRecord, spec: SandboxSpec) -> None:
+        """Quotas that may fit later are 429 (retry after others finish)."""
+        if tenant.max_sandboxes is None and tenant.max_cpu is None and tenant.max_memory is None:
+            return
+        live = [i for i in await self.node.list(tenant=tenant.name) if i.state not in _DEAD]
+        cpu, mem = self._effective(spec)
+        ra = self.settings.api_retry_after_s
+        if tenant.max_sandboxes is not None and len(live) + 1 > tenant.max_sandboxes:
+            raise QuotaExceeded(f"tenant {tenant.name!r} is at its limit max_sandboxes={tenant.max_sandboxes}; "
+                                "kill some sandboxes or ask an admin to raise it",
+                                limit="max_sandboxes", retry_after=ra)
+        if tenant.max_cpu is not None and sum(i.cpu for i in live) + cpu > tenant.max_cpu:
+            raise QuotaExceeded(f"tenant {tenant.name!r} would exceed max_cpu={tenant.max_cpu:g}",
+                                limit="max_cpu", retry_after=ra)
+        if tenant.max_memory is not None and sum(i.memory for i in live) + mem > tenant.max_memory:
+            raise QuotaExceeded(f"tenant {tenant.name!r} would exceed max_memory={tenant.max_memory}",
+                                limit="max_memory", retry_after=ra)
+
+    async def _owned(self, tenant: TenantRecord, sandbox_id: str) -> None:
+        owner = self._owners.get(sandbox_id)
+        if owner is None:
+            owner = self.state.sandbox_owner(sandbox_id)
+            if owner is None:
+                try:
+                    owner = (await self.node.get(sandbox_id)).tenant
+                except NotFound:
+                    owner = None
+            if owner is not None:
+                self._owners[sandbox_id] = owner
+        if owner != tenant.name:
+            raise _not_found(sandbox_id)
+
+    # --- create ------------------------------------------------------------------
+    async def create(self, tenant: TenantRecord, spec: SandboxSpec) -> SandboxInfo:
+        self._check_image(tenant, spec.image)
+        self._check_limits(tenant, spec)
+        if self._inflight >= self.settings.api_max_inflight_creates:
+            self.metrics.creates.labels(result=Overloaded.code).inc()
+            raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
+                             " retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
+        if spec.request_id is None:
+            return await self._create_new(tenant, spec, new_sandbox_id())
+        key = (tenant.name, spec.request_id)
+        async with self._idem_locks[key]:
+            try:
+                return await self._create_idempotent(tenant, spec)
+            finally:
+                self._idem_locks.pop(key, None)
+
+    async def _create_idempotent(self, tenant: TenantRecord, spec: SandboxSpec) -> SandboxInfo:
+        assert spec.request_id is not None
+        rec = await asyncio.to_thread(self.state.idem_reserve, IdempotencyRecord(
+            tenant=tenant.name, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
+        try:
+            info = await self.node.get(rec.sandbox_id)
+            if not rec.done:  # created, then we crashed before recording it
+                self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
+            return info
+        except NotFound:
+            if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
+                return SandboxInfo.model_validate({**rec.info, "state": SandboxState.destroyed})
+        try:
+            info = await self._create_new(tenant, spec, rec.sandbox_id)
+        except DSecError:
+            self.state.idem_delete(tenant.name, spec.request_id)  # a failed create may be retried afresh
+            raise
+        self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
+        return info
+
+    async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str) -> SandboxInfo:
+        self._inflight += 1
+        self.metrics.inflight_creates.set(self._inflight)
+        t0 = time.perf_counter()
+        try:
+            async with self._tenant_locks[tenant.name]:
+                # Quota check and registration are atomic per tenant; the create itself is not
+                # serialised (the record below counts it while in flight).
+                await self._check_quota(tenant, spec)
+                self.state.record_sandbox(sandbox_id, tenant.name, time.time())
+                self._owners[sandbox_id] = tenant.name
+                self._creating.add(sandbox_id)
+            info = await self._creator(spec, sandbox_id, tenant.name)
+        except DSecError as e:
+            self.metrics.creates.labels(result=e.code).inc()
+            self.state.mark_dead([sandbox_id], time.time())
+            raise
+        except Exception:
+            self.metrics.creates.labels(result="internal").inc()
+            self.state.mark_dead([sandbox_id], time.time())
+            raise
+        finally:
+            self._creating.discard(sandbox_id)
+            self._inflight -= 1
+            self.metrics.inflight_creates.set(self._inflight)
+        self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
+        self.metrics.creates.labels(result="ok").inc()
+        self.audit.record(info.id, tenant.name, "create", image=info.image, image_id=info.image_id,
+                          cpu=info.cpu, memory=info.memory, isolation=info.isolation, labels=info.labels,
+                          network=info.network, request_id=spec.request_id)
+        return info
+
+    # --- lifecycle ---------------------------------------------------------------
+    async def get(self, tenant: TenantRecord, sandbox_id: str) -> SandboxInfo:
+        await self._owned(tenant, sandbox_id)
+        return await self.node.get(sandbox_id)
+
+    async def list(self, tenant: TenantRecord, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return await self.node.list(labels=labels or None, tenant=tenant.name)
+
+    async def kill(self, tenant: TenantRecord, sandbox_id: str) -> None:
+        await self._owned(tenant, sandbox_id)
+        await self.node.destroy(sandbox_id)
+        self.audit.record(sandbox_id, tenant.name, "kill")
+        self.state.mark_dead([sandbox_id], time.time())
+        self._owners.pop(sandbox_id, None)
+
+    async def kill_by_labels(self, tenant: TenantRecord, labels: dict[str, str]) -> list[str]:
+        if not labels:
+            raise InvalidArgument("bulk kill needs at least one label (refusing to kill everything)",
+                                  field="labels")
+        victims = [i.id for i in await self.list(tenant, labels)]
+        results = await asyncio.gather(*(self.kill(tenant, v) for v in victims), return_exceptions=True)
+        return [v for v, r in zip(victims, results) if not isinstance(r, BaseException)]
+
+    async def set_timeout(self, tenant: TenantRecord, sandbox_id: str, timeout: float) -> SandboxInfo:
+        await self._owned(tenant, sandbox_id)
+        info = await self.node.set_timeout(sandbox_id, timeout)
+        self.audit.record(sandbox_id, tenant.name, "set_timeout", timeout=timeout)
+        return info
+
+    # --- exec --------------------------------------------------------------------
+    def _audit_exec(self, tenant: TenantRecord, sandbox_id: str, req: ExecRequest, res: ExecResult,
+                    mode: str) -> None:
+        result = "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
+        self.metrics.execs.labels(result=result).inc()
+        self.audit.record(sandbox_id, tenant.name, "exec", argv=req.argv(), cwd=req.cwd, mode=mode,
+                          exit_code=res.exit_code, duration=round(res.duration, 6), timed_out=res.timed_out,
+                          pid=res.pid)
+
+    async def exec(self, tenant: TenantRecord, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        await self._owned(tenant, sandbox_id)
+        t0 = time.perf_counter()
+        try:
+            res = await self.node.exec(sandbox_id, req)
+        except DSecError as e:
+            self.metrics.execs.labels(result=e.code).inc()
+            self.audit.record(sandbox_id, tenant.name, "exec_error", argv=req.argv(), code=e.code)
+            raise
+        mode = "background" if req.background else "sync"
+        self.metrics.exec_seconds.labels(mode=mode).observe(time.perf_counter() - t0)
+        self._audit_exec(tenant, sandbox_id, req, res, mode)
+        return res
+
+    async def exec_stream(self, tenant: TenantRecord, sandbox_id: str,
+                          req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Check ownership first (so errors are a proper HTTP status), then stream."""
+        await self._owned(tenant, sandbox_id)
+        return self._stream(tenant, sandbox_id, req)
+
+    async def _stream(self, tenant: TenantRecord, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        t0 = time.perf_counter()
+        async for ev in self.node.exec_stream(sandbox_id, req):
+            if ev.kind == "exit" and ev.result is not None:
+                self.metrics.exec_seconds.labels(mode="stream").observe(time.perf_counter() - t0)
+                self._audit_exec(tenant, sandbox_id, req, ev.result, "stream")
+            yield ev
+
+    async def processes(self, tenant: TenantRecord, sandbox_id: str) -> list[BackgroundProcess]:
+        await self._owned(tenant, sandbox_id)
+        return await self.node.processes(sandbox_id)
+
+    async def kill_process(self, tenant: TenantRecord, sandbox_id: str, pid: int, signal: int) -> None:
+        await self._owned(tenant, sandbox_id)
+        await self.node.kill_process(sandbox_id, pid, signal)
+        self.audit.record(sandbox_id, tenant.name, "signal", pid=pid, signal=signal)
+
+    # --- files -------------------------------------------------------------------
+    async def read_file(self, tenant: TenantRecord, sandbox_id: str, path: str) -> bytes:
+        await self._owned(tenant, sandbox_id)
+        return await self.node.read_file(sandbox_id, path)
+
+    async def write_file(self, tenant: TenantRecord, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        await self._owned(tenant, sandbox_id)
+        await self.node.write_file(sandbox_id, path, data, mode)
+        self.audit.record(sandbox_id, tenant.name, "file_write", path=path, size=len(data), mode=oct(mode),
+                          sha256=hashlib.sha256(data).hexdigest())
+
+    async def list_files(self, tenant: TenantRecord, sandbox_id: str, path: str) -> list[FileEntry]:
+        await self._owned(tenant, sandbox_id)
+        return await self.node.list_files(sandbox_id, path)
+
+    async def remove_file(self, tenant: TenantRecord, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._owned(tenant, sandbox_id)
+        await self.node.remove_file(sandbox_id, path, recursive)
+        self.audit.record(sandbox_id, tenant.name, "file_remove", path=path, recursive=recursive)
+
+    async def upload_tar(self, tenant: TenantRecord, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._owned(tenant, sandbox_id)
+        await self.node.upload_tar(sandbox_id, path, data)
+        self.audit.record(sandbox_id, tenant.name, "upload", path=path, size=len(data),
+                          sha256=hashlib.sha256(data).hexdigest())
+
+    async def download_tar(self, tenant: TenantRecord, sandbox_id: str, path: str) -> bytes:
+        await self._owned(tenant, sandbox_id)
+        return await self.node.download_tar(sandbox_id, path)
+
+    # --- audit / housekeeping ----------------------------------------------------------
+    async def audit_log(self, tenant: TenantRecord, sandbox_id: str, limit: int) -> list[dict[str, Any]]:
+        if self.state.sandbox_owner(sandbox_id) != tenant.name:
+            raise NotFound(f"no audit log for sandbox {sandbox_id}: unknown, another tenant's, or older than "
+                           f"the retention period ({self.settings.audit_retention_s:g}s)", sandbox_id=sandbox_id)
+        await self.audit.flush()
+        recs = await asyncio.to_thread(self.state.audit, sandbox_id, limit)
+        return [{"ts": r.ts, "kind": r.kind, "data": r.data} for r in recs]
+
+    async def reconcile(self, now: float | None = None) -> int:
+        """Mark sandboxes that vanished (TTL, reaper, crash) dead; prune audit past retention."""
+        now = time.time() if now is None else now
+        live = {i.id for i in await self.node.list() if i.state not in _DEAD}
+        recorded = await asyncio.to_thread(self.state.live_sandbox_ids)
+        gone = [s for s in recorded if s not in live and s not in self._creating]
+        await asyncio.to_thread(self.state.mark_dead, gone, now)
+        for s in gone:
+            self._owners.pop(s, None)
+        await self.audit.flush()
+        return await asyncio.to_thread(self.state.prune, now - self.settings.audit_retention_s)

@@ -1,0 +1,100 @@
+"""The bundle of components one API app serves (passed to ``create_app``; no globals)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dsec.api.audit import AuditLog
+from dsec.api.auth import TenantAuth
+from dsec.api.metrics import Metrics
+from dsec.api.service import Creator, SandboxService
+from dsec.config import Settings
+from dsec.models import ImageInfo
+from dsec.models.sandbox import SandboxState
+from dsec.node.api import NodeAgent
+from dsec.state.store import StateStore
+
+log = logging.getLogger("dsec.api")
+
+
+class ImageBackend(Protocol):
+    """What the API needs from ``dsec.images.ImageStore`` (blocking; run in threads)."""
+
+    def list(self) -> list[ImageInfo]: ...
+    def resolve(self, ref: str) -> ImageInfo: ...
+    def remove(self, ref: str) -> Any: ...
+
+
+@dataclass
+class Services:
+    settings: Settings
+    state: StateStore
+    node: NodeAgent
+    images: ImageBackend | None
+    metrics: Metrics
+    auth: TenantAuth
+    audit: AuditLog
+    sandboxes: SandboxService
+    started_at: float = field(default_factory=time.time)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: Settings, node: NodeAgent, state: StateStore, images: ImageBackend | None = None,
+              creator: Creator | None = None) -> "Services":
+        metrics = Metrics()
+        audit = AuditLog(state, metrics, settings.api_audit_flush_s, settings.api_audit_max_chars)
+        sandboxes = SandboxService(settings, node, state, metrics, audit, creator)
+        if images is None:
+            images = getattr(node, "images", None)
+        return cls(settings=settings, state=state, node=node, images=images, metrics=metrics,
+                   auth=TenantAuth(state), audit=audit, sandboxes=sandboxes)
+
+    @property
+    def tmp_dir(self) -> Path:
+        d = self.settings.home / "tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    async def start(self) -> None:
+        await self.node.start()
+        self.audit.start()
+        self._tasks.append(asyncio.create_task(self._housekeeping(), name="dsec-housekeeping"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        await self.audit.close()
+        await self.node.close()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            try:
+                pruned = await self.sandboxes.reconcile()
+                if pruned:
+                    log.info("pruned audit of %d sandboxes past retention", pruned)
+            except Exception:
+                log.exception("housekeeping failed; retrying next interval")
+            await asyncio.sleep(self.settings.api_prune_interval_s)
+
+    async def refresh_metrics(self) -> None:
+        """Scrape-time gauges: live sandboxes by state and component counters."""
+        counts: dict[str, int] = {}
+        for info in await self.node.list():
+            counts[info.state.value] = counts.get(info.state.value, 0) + 1
+        self.metrics.set_states(counts, [s.value for s in SandboxState])
+        for comp in (self.node, self.images):
+            stats = getattr(comp, "stats", None)
+            if callable(stats):
+                try:
+                    self.metrics.absorb_stats(stats())
+                except Exception:
+                    log.exception("stats() of %s failed", type(comp).__name__)

@@ -1,0 +1,258 @@
+"""``Client`` and ``AsyncClient``: one pooled httpx client each, driving the sans-IO core.
+
+Every API operation is defined ONCE in ``_Api`` as ``return self._run(call)``; the sync
+client's ``_run`` returns the value, the async client's returns an awaitable. Only the
+two tiny drivers (``_run`` and the exec-stream iterator) differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from dsec import __version__
+from dsec.errors import DSecError
+from dsec.models import ExecRequest, SandboxSpec
+from dsec.node.api import ExecEvent
+from dsec.sdk import _ops
+from dsec.sdk._config import ClientConfig, resolve_config
+from dsec.sdk._core import Call, Outcome, Response, RetryPolicy, Send, error_of, parse_event_line, plan, \
+    transport_error
+
+
+class _Api:
+    """Operations shared verbatim by both clients (``_run`` decides sync vs async)."""
+
+    config: ClientConfig
+
+    def _run(self, call: Call[Any]) -> Any:
+        raise NotImplementedError
+
+    def create(self, spec: SandboxSpec) -> Any:
+        return self._run(_ops.create(spec))
+
+    def get(self, sandbox_id: str) -> Any:
+        return self._run(_ops.get(sandbox_id))
+
+    def list(self, labels: dict[str, str] | None = None) -> Any:
+        return self._run(_ops.list_(labels))
+
+    def kill(self, sandbox_id: str) -> Any:
+        return self._run(_ops.kill(sandbox_id))
+
+    def kill_by_labels(self, labels: dict[str, str]) -> Any:
+        return self._run(_ops.kill_by_labels(labels))
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
+        return self._run(_ops.set_timeout(sandbox_id, timeout))
+
+    def exec(self, sandbox_id: str, req: ExecRequest) -> Any:
+        return self._run(_ops.exec_(sandbox_id, req, self.config.timeout_s))
+
+    def processes(self, sandbox_id: str) -> Any:
+        return self._run(_ops.processes(sandbox_id))
+
+    def signal(self, sandbox_id: str, pid: int, sig: int = 9) -> Any:
+        return self._run(_ops.signal(sandbox_id, pid, sig))
+
+    def read_file(self, sandbox_id: str, path: str) -> Any:
+        return self._run(_ops.read_file(sandbox_id, path))
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> Any:
+        return self._run(_ops.write_file(sandbox_id, path, data, mode))
+
+    def list_files(self, sandbox_id: str, path: str) -> Any:
+        return self._run(_ops.list_files(sandbox_id, path))
+
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
+        return self._run(_ops.remove_file(sandbox_id, path, recursive))
+
+    def upload_tar(self, sandbox_id: str, path: str, tar_bytes: bytes) -> Any:
+        return self._run(_ops.upload_tar(sandbox_id, path, tar_bytes))
+
+    def download_tar(self, sandbox_id: str, path: str) -> Any:
+        return self._run(_ops.download_tar(sandbox_id, path))
+
+    def audit(self, sandbox_id: str, limit: int = 1000) -> Any:
+        return self._run(_ops.audit(sandbox_id, limit))
+
+    def health(self) -> Any:
+        return self._run(_ops.health())
+
+    def images(self) -> Any:
+        return self._run(_ops.images())
+
+    def import_image(self, name: str, archive: bytes) -> Any:
+        return self._run(_ops.import_image(name, archive))
+
+    def remove_image(self, ref: str) -> Any:
+        return self._run(_ops.remove_image(ref))
+
+    def add_tenant(self, name: str, **limits: Any) -> Any:
+        return self._run(_ops.add_tenant(name, **limits))
+
+    def tenants(self) -> Any:
+        return self._run(_ops.tenants())
+
+    def remove_tenant(self, name: str) -> Any:
+        return self._run(_ops.remove_tenant(name))
+
+    def whoami(self) -> Any:
+        return self._run(_ops.whoami())
+
+
+def _httpx_kwargs(cfg: ClientConfig) -> dict[str, Any]:
+    headers = {"user-agent": f"dsec-sdk/{__version__}"}
+    if cfg.token:
+        headers["authorization"] = f"Bearer {cfg.token}"
+    return dict(base_url=cfg.url, headers=headers, timeout=httpx.Timeout(cfg.timeout_s),
+                limits=httpx.Limits(max_connections=cfg.max_connections,
+                                    max_keepalive_connections=cfg.max_keepalive))
+
+
+def _request_kwargs(call: Call[Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {"params": call.params, "headers": call.headers or None}
+    if call.json is not None:
+        kw["json"] = call.json
+    if call.content is not None:
+        kw["content"] = call.content
+    if call.timeout is not None:
+        kw["timeout"] = call.timeout
+    return kw
+
+
+def _response(r: httpx.Response) -> Response:
+    return Response(r.status_code, dict(r.headers), r.content)
+
+
+class Client(_Api):
+    """Synchronous client. Thread-safe; reuse one per process (pooled keep-alive connections)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, retries: int | None = None,
+                 timeout: float | None = None, transport: httpx.BaseTransport | None = None) -> None:
+        self.config = resolve_config(url, token, retries=retries, timeout=timeout)
+        self._policy = RetryPolicy(self.config.retries, self.config.backoff_s, self.config.backoff_max_s)
+        self._http = httpx.Client(transport=transport, **_httpx_kwargs(self.config))
+
+    def _run(self, call: Call[Any]) -> Any:
+        gen = plan(call, self._policy, self.config.url)
+        step = next(gen)
+        while True:
+            try:
+                if isinstance(step, Send):
+                    try:
+                        out = Outcome(response=_response(self._http.request(
+                            call.method, call.path, **_request_kwargs(call))))
+                    except httpx.TransportError as e:
+                        out = Outcome(error=e)
+                    step = gen.send(out)
+                else:
+                    time.sleep(step.seconds)
+                    step = gen.send(None)
+            except StopIteration as stop:
+                return stop.value
+
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecEvent]:
+        call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
+        try:
+            with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise error_of(_response(r))
+                for line in r.iter_lines():
+                    ev = parse_event_line(line)
+                    if ev is not None:
+                        yield ev
+        except httpx.TransportError as e:
+            raise transport_error(e, self.config.url) from e
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    _default: "Client | None" = None
+    _default_lock = threading.Lock()
+
+    @classmethod
+    def default(cls) -> "Client":
+        """The process-wide client built from the environment (DSEC_URL, DSEC_TOKEN, DSEC_HOME)."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = cls()
+            return cls._default
+
+
+class AsyncClient(_Api):
+    """asyncio client. One per event loop; sized for thousands of concurrent sandboxes."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, retries: int | None = None,
+                 timeout: float | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = resolve_config(url, token, retries=retries, timeout=timeout)
+        self._policy = RetryPolicy(self.config.retries, self.config.backoff_s, self.config.backoff_max_s)
+        self._http = httpx.AsyncClient(transport=transport, **_httpx_kwargs(self.config))
+
+    async def _run(self, call: Call[Any]) -> Any:  # type: ignore[override]
+        gen = plan(call, self._policy, self.config.url)
+        step = next(gen)
+        while True:
+            try:
+                if isinstance(step, Send):
+                    try:
+                        out = Outcome(response=_response(await self._http.request(
+                            call.method, call.path, **_request_kwargs(call))))
+                    except httpx.TransportError as e:
+                        out = Outcome(error=e)
+                    step = gen.send(out)
+                else:
+                    await asyncio.sleep(step.seconds)
+                    step = gen.send(None)
+            except StopIteration as stop:
+                return stop.value
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
+        try:
+            async with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise error_of(_response(r))
+                async for line in r.aiter_lines():
+                    ev = parse_event_line(line)
+                    if ev is not None:
+                        yield ev
+        except httpx.TransportError as e:
+            raise transport_error(e, self.config.url) from e
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    _defaults: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def default(cls) -> "AsyncClient":
+        """The client of the running event loop built from the environment."""
+        loop = asyncio.get_running_loop()
+        client = cls._defaults.get(loop)
+        if client is None:
+            client = cls._defaults[loop] = cls()
+        return client
+
+
+__all__ = ["AsyncClient", "Client", "DSecError"]
