@@ -47,6 +47,9 @@ class BlobStore(Protocol):
     def stat(self, key: str) -> BlobStat:
         """Size and modification time; raise NotFound if absent."""
 
+    def touch(self, key: str) -> None:
+        """Refresh the modification time (GC grace) of an existing object; NotFound if absent."""
+
     def delete(self, key: str) -> None:
         """Remove the object; deleting an absent key is not an error."""
 
@@ -97,8 +100,13 @@ def put_blob(store: BlobStore, data: bytes) -> str:
     """Store ``data`` content-addressed; return ``sha256:<hex>``. Existing blobs are reused."""
     digest = "sha256:" + sha256_hex(data)
     key = cas_key(digest)
-    if not store.exists(key):
-        store.put(key, data)
+    if store.exists(key):
+        try:
+            store.touch(key)  # reused by a new unit: restart its GC grace period
+            return digest
+        except errors.NotFound:
+            pass  # collected between the two calls: write it again
+    store.put(key, data)
     return digest
 
 

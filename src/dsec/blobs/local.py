@@ -101,6 +101,12 @@ class LocalBlobStore:
             raise errors.NotFound(f"blob {key!r} not found in {self.name}", key=key) from None
         return BlobStat(size=st.st_size, mtime=st.st_mtime)
 
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raise errors.NotFound(f"blob {key!r} not found in {self.name}", key=key) from None
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:

@@ -95,6 +95,10 @@ class ReplicatedBlobStore:
                 last = exc
         raise last or errors.NotFound(f"blob {key!r} not found", key=key)
 
+    def touch(self, key: str) -> None:
+        for r in self.replicas:
+            r.touch(key)
+
     def delete(self, key: str) -> None:
         for r in self.replicas:
             r.delete(key)

@@ -75,6 +75,13 @@ class S3BlobStore:
             return False
         return True
 
+    def touch(self, key: str) -> None:
+        try:
+            self._s3.copy_object(Bucket=self.bucket, Key=self._k(key), MetadataDirective="REPLACE",
+                                 CopySource={"Bucket": self.bucket, "Key": self._k(key)})
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key) from exc
+
     def delete(self, key: str) -> None:
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self._k(key))

@@ -64,3 +64,16 @@ def test_bad_keys_refused(store, bad):
     """Keys that could escape the root or confuse a backend are refused before any I/O."""
     with pytest.raises(errors.InvalidArgument):
         store.put(bad, b"x")
+
+
+def test_touch_refreshes_mtime(store):
+    """touch restarts an object's GC grace period and refuses absent keys."""
+    import time
+    store.put("t/x", b"1")
+    before = store.stat("t/x").mtime
+    time.sleep(1.1)
+    store.touch("t/x")
+    assert store.stat("t/x").mtime > before
+    assert store.get("t/x") == b"1"
+    with pytest.raises(errors.NotFound):
+        store.touch("t/none")

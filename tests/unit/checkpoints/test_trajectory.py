@@ -1,0 +1,81 @@
+"""Trajectory log encoding: zstd JSONL frames, torn tails, async journal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import zstandard
+
+from dsec.checkpoints.trajectory import (JournalWriter, StepRecord, decode_segment, encode_segment,
+                                         read_journal)
+
+
+def _rec(i: int) -> StepRecord:
+    return StepRecord(step=i, command=f"echo {i}", exit_code=0, stdout=f"{i}\n" * 50,
+                      started_at=time.time(), duration=0.01)
+
+
+def test_segment_roundtrip_and_standard_zstd():
+    """A segment decodes back to its records and is a plain zstd stream of JSON lines."""
+    recs = [_rec(i) for i in range(5)]
+    data = encode_segment(recs)
+    assert decode_segment(data) == recs
+    plain = zstandard.ZstdDecompressor().decompressobj()
+    # Standard tools read concatenated frames; check via the streaming reader.
+    import io
+    text = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+    assert text.count(b"\n") == 5 and plain is not None
+
+
+def test_torn_tail_loses_only_last_record():
+    """Truncating a segment at any byte keeps every complete record before the cut."""
+    recs = [_rec(i) for i in range(4)]
+    data = encode_segment(recs)
+    frame_ends = []
+    total = 0
+    for r in recs:
+        total += len(encode_segment([r]))
+        frame_ends.append(total)
+    for cut in range(0, len(data), 7):
+        got = decode_segment(data[:cut])
+        assert got == recs[: sum(1 for e in frame_ends if e <= cut)]
+
+
+def test_corrupt_tail_frame_is_dropped():
+    """A flipped byte inside the last frame drops that frame only (checksummed frames)."""
+    recs = [_rec(i) for i in range(3)]
+    data = bytearray(encode_segment(recs))
+    data[-6] ^= 0xFF
+    assert decode_segment(bytes(data)) == recs[:2]
+
+
+def test_journal_survives_process_kill(tmp_path):
+    """Records flushed before a SIGKILL are all readable afterwards; nothing is garbled."""
+    path = tmp_path / "j.zst"
+    code = f"""
+import os, signal
+from dsec.checkpoints.trajectory import JournalWriter
+w = JournalWriter(__import__('pathlib').Path({str(path)!r}))
+for i in range(20):
+    w.append({{"step": i, "out": "x" * 1000}})
+    if i % 5 == 4:
+        w.flush()
+w.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code])
+    assert proc.returncode == -9
+    got = read_journal(path)
+    assert [r["step"] for r in got] == list(range(20))
+
+
+def test_journal_append_does_not_block(tmp_path):
+    """append only queues; flush makes everything durable and in order."""
+    w = JournalWriter(tmp_path / "j")
+    for i in range(100):
+        w.append({"step": i})
+    w.flush()
+    w.close()
+    assert [r["step"] for r in read_journal(tmp_path / "j")] == list(range(100))
