@@ -8,3 +8,4 @@ app = typer.Typer(name="dsec", help="DSec: fast, secure, recoverable sandboxes f
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
 
 # Sub-command registrations (one line per module; keep this list sorted).
+from dsec.cli.sim import app as sim_app; app.add_typer(sim_app, name="sim")  # noqa: E402,E702

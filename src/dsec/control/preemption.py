@@ -10,6 +10,8 @@ running victim (hook), stops it, and the scheduler re-queues it for resumption.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dsec.control.types import Node, Request, Running
 
 
@@ -46,17 +48,23 @@ def victims_on_node(node: Node, req: Request, residents: list[Running], ratio: f
     return None
 
 
-def select_victims(req: Request, nodes: list[Node], residents: dict[str, list[Running]],
-                   ratio: float, allow_preempt: bool) -> tuple[Node, list[Running]] | None:
-    """Best node to make room on for ``req`` and its victims, or None."""
+def select_victims(req: Request, nodes: list[Node], residents: Mapping[str, Mapping[str, Running]],
+                   ratio: float, threshold: float, allow_preempt: bool) -> tuple[Node, list[Running]] | None:
+    """Best node to make room on for ``req`` and its victims, or None.
+
+    Nodes whose predicted usage is at or above ``threshold`` are never chosen: the
+    overcommit rule admits nothing new there, victims or not.
+    """
     best: tuple[Node, list[Running]] | None = None
     best_key: tuple[int, int] | None = None
     for node in nodes:
-        if not node.healthy or req.isolation not in node.isolation or node.node_id in req.excluded:
+        if (not node.healthy or req.isolation not in node.isolation or node.node_id in req.excluded
+                or node.predicted >= threshold):
             continue
         if req.selector and any(node.labels.get(k) != v for k, v in req.selector.items()):
             continue
-        v = victims_on_node(node, req, residents.get(node.node_id, []), ratio, allow_preempt)
+        res = residents.get(node.node_id)
+        v = victims_on_node(node, req, list(res.values()) if res else [], ratio, allow_preempt)
         if v is None:
             continue
         key = (sum(1 for r in v if not r.pool), len(v))

@@ -268,7 +268,8 @@ class Scheduler:
             nl = self.cluster.node_list
             cands = nl if len(nl) <= 4 * self.s.sparrow_min_nodes else self.rng.sample(nl, self.s.sparrow_min_nodes)
             allow = self.s.preemption_enabled and req.priority < LOW
-            pick = select_victims(req, cands, self.residents, self.s.overcommit_ratio, allow)
+            pick = select_victims(req, cands, self.residents, self.s.overcommit_ratio,
+                                  self.s.overcommit_threshold, allow)
             if pick is None:
                 return None
             node, evict = pick

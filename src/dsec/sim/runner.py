@@ -1,0 +1,34 @@
+"""Run several placement policies over the same trace and write one report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dsec.config import Settings
+from dsec.control.placement import POLICIES
+from dsec.sim.config import SimConfig
+from dsec.sim.engine import cluster_size, run_policy
+from dsec.sim.report import write_report
+from dsec.sim.trace import mean_rate
+
+
+def run_all(cfg: SimConfig, out: Path | None, settings: Settings | None = None,
+            progress: Callable[[str, float], None] | None = None) -> tuple[dict, list[dict]]:
+    for p in cfg.policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)}")
+    meta = {"seed": cfg.seed, "hours": cfg.hours, "rate_scale": cfg.rate_scale, "nodes": cluster_size(cfg),
+            "node_cpu": cfg.node_cpu, "images": cfg.images, "zipf_s": cfg.zipf_s,
+            "arrivals_expected": mean_rate(cfg) * cfg.hours * 3600, "policies": list(cfg.policies)}
+    results = []
+    for name in cfg.policies:
+        t0 = time.perf_counter()
+        cb = (lambda f, n=name: progress(n, f)) if progress else None
+        r = run_policy(cfg, name, settings, cb)
+        r["wall_s"] = time.perf_counter() - t0
+        results.append(r)
+    if out is not None:
+        write_report(out, meta, results)
+    return meta, results
