@@ -8,4 +8,5 @@ app = typer.Typer(name="dsec", help="DSec: fast, secure, recoverable sandboxes f
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
 
 # Sub-command registrations (one line per module; keep this list sorted).
+from dsec.cli.image import app as image_app; app.add_typer(image_app, name="image")  # noqa: E402,E702
 from dsec.cli.sim import app as sim_app; app.add_typer(sim_app, name="sim")  # noqa: E402,E702
