@@ -145,6 +145,12 @@ class Settings(BaseSettings):
     net_egress_rate: str = Field("100mbit", description="Per-sandbox egress bandwidth limit")
     net_max_connections: int = Field(256, description="Per-sandbox concurrent connection limit")
     net_denied_log_max: int = Field(1000, description="Denied-attempt audit records kept per sandbox")
+    # --- networking: added by the net engineer (dsec.net) ---------------------------
+    net_egress_burst: str = Field("256k", description="Egress shaper (TBF) bucket size per sandbox")
+    net_egress_latency_ms: float = Field(50.0, description="Max queueing delay in the egress shaper")
+    net_denied_log_rate: int = Field(20, description="Denied packets logged per second per sandbox")
+    net_nflog_group: int | None = Field(None, description="NFLOG group for denied attempts (default: per runtime dir)")
+    net_enable_forwarding: bool = Field(True, description="Set net.ipv4.ip_forward=1 at start (needed for egress)")
 
     # --- checkpoints (SPEC §4) ------------------------------------------------------
     checkpoint_roots: list[Path] = Field(default_factory=list, description="Replica roots (default HOME/blobs)")
