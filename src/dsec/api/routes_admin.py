@@ -8,6 +8,7 @@ import fnmatch
 import os
 import tempfile
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -60,7 +61,7 @@ async def import_image(request: Request, svc: Svc, t: Tenant,
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        return await asyncio.to_thread(_store(svc).import_archive, tmp, name)
+        return await asyncio.to_thread(_store(svc).import_archive, Path(tmp), name)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

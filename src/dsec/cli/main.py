@@ -9,4 +9,7 @@ app = typer.Typer(name="dsec", help="DSec: fast, secure, recoverable sandboxes f
 
 # Sub-command registrations (one line per module; keep this list sorted).
 from dsec.cli.image import app as image_app; app.add_typer(image_app, name="image")  # noqa: E402,E702
+from dsec.cli.sandbox import register as _reg_sandbox; _reg_sandbox(app)  # noqa: E402,E702 run/exec/ps/kill/logs
+from dsec.cli.serve import register as _reg_serve; _reg_serve(app)  # noqa: E402,E702
 from dsec.cli.sim import app as sim_app; app.add_typer(sim_app, name="sim")  # noqa: E402,E702
+from dsec.cli.tenant import app as tenant_app; app.add_typer(tenant_app, name="tenant")  # noqa: E402,E702

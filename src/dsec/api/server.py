@@ -1,0 +1,122 @@
+"""``dsec serve``: one process with the API server, control plane and one node agent.
+
+Embedded state lives under ``DSEC_HOME``: ``state.db`` (SQLite WAL), images, sandboxes.
+On first start a local admin token is written to ``DSEC_HOME/token`` (mode 0600) and the
+listening URL to ``DSEC_HOME/server.json`` so the CLI/SDK work without configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dsec.api.auth import hash_token
+from dsec.api.services import Services
+from dsec.config import Settings
+from dsec.sdk._config import SERVER_FILE, TOKEN_FILE, read_token_file
+from dsec.state.sqlite import SqliteStateStore
+
+log = logging.getLogger("dsec.serve")
+LOCAL_TENANT = "local"
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """temp + fsync + rename + dir fsync: the file is either old or new after a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def ensure_local_token(services: Services) -> str:
+    """The embedded default's admin tenant ``local``; its token file is (re)made if missing."""
+    home = services.settings.home
+    token = read_token_file(home)
+    rec = services.state.get_tenant(LOCAL_TENANT)
+    if token is not None and rec is not None and rec.token_hash == hash_token(token):
+        return token
+    if rec is not None:
+        # Token file lost: issue a new token for the same tenant (its sandboxes stay its own).
+        services.state.delete_tenant(LOCAL_TENANT)
+    _, token = services.auth.create_tenant(LOCAL_TENANT, admin=True)
+    atomic_write(home / TOKEN_FILE, token.encode() + b"\n", 0o600)
+    return token
+
+
+def build_embedded(settings: Settings) -> Services:
+    """State store + the real node agent (adopts/cleans sandboxes in its ``start()``)."""
+    from dsec.node.agent import LocalNodeAgent
+
+    settings.home.mkdir(parents=True, exist_ok=True)
+    state = SqliteStateStore(settings.home / "state.db")
+    node = LocalNodeAgent(settings)
+    return Services.build(settings, node, state, images=getattr(node, "images", None))
+
+
+def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level: str = "info") -> Any:
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+                          log_level=log_level, timeout_graceful_shutdown=int(settings.api_shutdown_grace_s),
+                          backlog=4096, access_log=False, server_header=False)
+
+
+async def serve_async(settings: Settings, host: str, port: int, services: Services | None = None,
+                      log_level: str = "info", ready: "asyncio.Event | None" = None) -> None:
+    """Run until SIGINT/SIGTERM; close services and remove server.json on the way out."""
+    import uvicorn
+
+    from dsec.api.app import create_app
+
+    services = services or build_embedded(settings)
+    ensure_local_token(services)
+    app = create_app(services)
+    server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level))
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    server_file = settings.home / SERVER_FILE
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"
+        atomic_write(server_file, json.dumps({"url": url, "pid": os.getpid(), "started_at": time.time()}).encode())
+        log.info("DSec API listening on %s (token: %s)", url, settings.home / TOKEN_FILE)
+        if ready is not None:
+            ready.set()
+    try:
+        await task
+    finally:
+        try:
+            info = json.loads(server_file.read_text())
+            if info.get("pid") == os.getpid():
+                server_file.unlink()
+        except (OSError, ValueError):
+            pass
+        services.state.close()
+
+
+def serve(settings: Settings, host: str, port: int, log_level: str = "info") -> None:
+    import uvloop
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(serve_async(settings, host, port, log_level=log_level))
+
+
+__all__ = ["atomic_write", "build_embedded", "ensure_local_token", "serve", "serve_async"]
