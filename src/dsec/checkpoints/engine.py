@@ -1,0 +1,374 @@
+"""Episodes: logged steps, per-step checkpoint units, resume with fast-forward.
+
+The server owns an episode's trajectory and checkpoints, so a crash of the client, the
+sandbox, the node agent or the server loses nothing acknowledged:
+
+* ``step(n, cmd)`` with ``n`` below the log length returns the logged result without
+  running anything (after checking the command matches, else ReplayDiverged);
+* the first new step runs live, then its unit (fs diff if the upper changed, manifest,
+  trajectory segment, metadata last) is written before the result is returned, so an
+  acknowledged step is always durable and a logged command never runs twice;
+* if a unit cannot be written (disk full, crash), the step is not logged and the
+  sandbox, now ahead of the log, is replaced from the last unit before the next step.
+
+Restore walks units newest first and takes the first whose every part verifies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+from pydantic import BaseModel
+
+from dsec import errors
+from dsec.blobs import BlobStore
+from dsec.checkpoints import trajectory as traj
+from dsec.checkpoints.fsdiff import image_lookup
+from dsec.checkpoints.fsstate import FsTracker, materialize
+from dsec.checkpoints.host import EpisodeHost, ImageView
+from dsec.checkpoints.unit import (PartRef, UnitMeta, apply_retention, check_episode_id, commit_unit,
+                                   complete_units, list_unit_keys, put_part, read_part)
+from dsec.config import Settings
+from dsec.models import ExecRequest, ExecResult, SandboxSpec
+from dsec.testing.faults import FaultInjected, fault_point
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointRef(BaseModel):
+    episode_id: str
+    seq: int
+    steps: int
+    fs_digest: str
+
+
+class EpisodeInfo(BaseModel):
+    id: str
+    steps: int
+    seq: int
+    sandbox_id: str | None
+    fs_digest: str
+    has_context: bool
+    weights_ref: str | None = None
+    resumed: bool = False
+    restore_s: float = 0.0
+
+
+class StepResult(ExecResult):
+    step: int
+    replayed: bool = False
+    fs_digest: str = ""
+    checkpoint_s: float = 0.0
+
+
+@dataclass
+class _Live:
+    id: str
+    spec: SandboxSpec
+    view: ImageView
+    tracker: FsTracker
+    sandbox_id: str | None = None
+    records: list[traj.StepRecord] = field(default_factory=list)
+    segments: list[PartRef] = field(default_factory=list)
+    context: PartRef | None = None
+    weights_ref: str | None = None
+    user_meta: dict = field(default_factory=dict)
+    seq: int = -1
+    dirty: bool = False  # sandbox fs is ahead of the last unit: replace before the next step
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _stdin_digest(stdin: str | None) -> str | None:
+    return None if stdin is None else hashlib.sha256(stdin.encode()).hexdigest()
+
+
+class EpisodeEngine:
+    def __init__(self, settings: Settings, store: BlobStore, host: EpisodeHost,
+                 cache_dir: Path | None = None) -> None:
+        self.settings, self.store, self.host = settings, store, host
+        self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
+        self._live: dict[str, _Live] = {}
+        self._open_locks: dict[str, asyncio.Lock] = {}
+
+    # --- open / restore ---------------------------------------------------------------
+    async def open(self, episode_id: str, spec: SandboxSpec | None = None) -> EpisodeInfo:
+        """Create the episode, or resume it from its newest complete checkpoint unit."""
+        check_episode_id(episode_id)
+        async with self._open_locks.setdefault(episode_id, asyncio.Lock()):
+            live = self._live.get(episode_id)
+            if live is not None:
+                return self._info(live)
+            units = await asyncio.to_thread(complete_units, self.store, episode_id)
+            if not units:
+                if await asyncio.to_thread(list_unit_keys, self.store, episode_id):
+                    raise errors.CheckpointError(
+                        f"episode {episode_id!r} has checkpoint units but none is complete; "
+                        "inspect it with `dsec episode show` or delete it to start over")
+                return await self._create(episode_id, spec or SandboxSpec())
+            t0 = time.perf_counter()
+            failures = []
+            for meta in units:
+                try:
+                    live = await self._restore(meta)
+                except (errors.DigestMismatch, errors.NotFound, errors.CheckpointError) as exc:
+                    log.warning("episode %s: unit %d unusable (%s); falling back", episode_id, meta.seq, exc)
+                    failures.append(f"unit {meta.seq}: {exc}")
+                    continue
+                self._live[episode_id] = live
+                return self._info(live, resumed=True, restore_s=time.perf_counter() - t0)
+            raise errors.CheckpointError(
+                f"no checkpoint unit of episode {episode_id!r} could be restored ({'; '.join(failures)}); "
+                "nothing partial was restored", episode_id=episode_id)
+
+    async def _create(self, episode_id: str, spec: SandboxSpec) -> EpisodeInfo:
+        view = await self.host.image_view(spec)
+        tracker = FsTracker(in_image=image_lookup(view.lower_dirs), full_every=self.settings.checkpoint_full_every,
+                            level=self.settings.checkpoint_zstd_level)
+        live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker)
+        live.sandbox_id = await self.host.create(spec, [])
+        async with live.lock:
+            await self._write_unit(live, "open")
+        self._live[episode_id] = live
+        return self._info(live)
+
+    def _load_parts(self, meta: UnitMeta) -> tuple[list[traj.StepRecord], FsTracker | None]:
+        records: list[traj.StepRecord] = []
+        for seg in meta.trajectory:
+            records.extend(traj.decode_segment(read_part(self.store, seg)))
+        if len(records) != meta.steps or [r.step for r in records] != list(range(meta.steps)):
+            raise errors.CheckpointError(f"unit {meta.seq}: trajectory has {len(records)} steps, expected {meta.steps}")
+        if meta.context is not None:
+            read_part(self.store, meta.context)
+        return records, None
+
+    async def _restore(self, meta: UnitMeta) -> _Live:
+        spec = SandboxSpec.model_validate(meta.spec)
+        view = await self.host.image_view(spec)
+        if view.compat.hash() != meta.compat_hash:
+            raise errors.CheckpointError(
+                f"episode {meta.episode_id!r} was checkpointed on image {meta.compat.image_id} "
+                f"({meta.compat.isolation}) but {spec.image!r} now resolves to {view.compat.image_id} "
+                f"({view.compat.isolation}); re-import the original image to resume")
+        records, _ = await asyncio.to_thread(self._load_parts, meta)
+        in_image = image_lookup(view.lower_dirs)
+        tracker = await asyncio.to_thread(FsTracker.restored, self.store, meta.fs_chain, meta.fs_manifest,
+                                          in_image, self.settings.checkpoint_full_every,
+                                          self.settings.checkpoint_zstd_level)
+        if tracker.fs_digest != meta.fs_digest:
+            raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
+        lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir)
+        old = meta.meta.get("_sandbox_id")
+        if old:
+            await self.host.destroy(old)  # a survivor of the crash may be ahead of the log
+        live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
+                     segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
+                     user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq)
+        live.sandbox_id = await self.host.create(spec, lowers)
+        return live
+
+    async def _replace_sandbox(self, live: _Live) -> None:
+        """Give ``live`` a fresh sandbox equal to its last unit (after a failed unit or a stop)."""
+        units = await asyncio.to_thread(complete_units, self.store, live.id)
+        if not units or units[0].seq != live.seq:
+            raise errors.CheckpointError(f"episode {live.id!r}: last unit {live.seq} not found in the store")
+        if live.sandbox_id:
+            await self.host.destroy(live.sandbox_id)
+            live.sandbox_id = None
+        fresh = await self._restore(units[0])
+        live.sandbox_id, live.tracker, live.dirty = fresh.sandbox_id, fresh.tracker, False
+
+    # --- steps ------------------------------------------------------------------------
+    def _get(self, episode_id: str) -> _Live:
+        live = self._live.get(episode_id)
+        if live is None:
+            raise errors.NotFound(f"episode {episode_id!r} is not open on this server; open it first "
+                                  "(Episode.open resumes it from its checkpoints)", episode_id=episode_id)
+        return live
+
+    async def step(self, episode_id: str, step: int, req: ExecRequest) -> StepResult:
+        live = self._get(episode_id)
+        async with live.lock:
+            n = len(live.records)
+            if step < n:
+                rec = live.records[step]
+                if not rec.same_command(req.cmd, req.cwd, req.env, _stdin_digest(req.stdin)):
+                    raise errors.ReplayDiverged(
+                        f"episode {episode_id!r} step {step}: the log has {rec.command!r} (cwd={rec.cwd!r}) "
+                        f"but the agent now runs {req.cmd!r} (cwd={req.cwd!r}); a resumed agent must "
+                        "replay the same commands in the same order", step=step)
+                return StepResult(step=step, replayed=True, exit_code=rec.exit_code, stdout=rec.stdout,
+                                  stderr=rec.stderr, duration=rec.duration, timed_out=rec.timed_out,
+                                  truncated=rec.truncated, fs_digest=rec.fs_digest, checkpoint_s=rec.checkpoint_s)
+            if step > n:
+                raise errors.Conflict(f"episode {episode_id!r}: step {step} requested but only {n} steps are "
+                                      f"logged; the next step is {n}", logged=n)
+            if live.dirty or live.sandbox_id is None:
+                await self._replace_sandbox(live)
+            started = time.time()
+            res = await self.host.exec(live.sandbox_id, req)
+            rec = traj.StepRecord(step=n, command=req.cmd, cwd=req.cwd, env=req.env or None,
+                                  stdin_sha256=_stdin_digest(req.stdin), timeout=req.timeout,
+                                  exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
+                                  timed_out=res.timed_out, truncated=res.truncated, started_at=started,
+                                  duration=res.duration)
+            t0 = time.perf_counter()
+            await self._write_unit(live, "step", record=rec)
+            rec.checkpoint_s = time.perf_counter() - t0
+            return StepResult(step=n, exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
+                              duration=res.duration, timed_out=res.timed_out, truncated=res.truncated,
+                              fs_digest=rec.fs_digest, checkpoint_s=rec.checkpoint_s)
+
+    async def _write_unit(self, live: _Live, kind: str, record: traj.StepRecord | None = None,
+                          context: bytes | None = None) -> UnitMeta:
+        """Capture the fs, write parts then metadata; adopt the new state only on success."""
+        assert live.sandbox_id is not None
+        upper = self.host.upper_dir(live.sandbox_id)
+        await self.host.freeze(live.sandbox_id)
+        try:
+            cap, adopt = await asyncio.to_thread(
+                live.tracker.capture, upper, lambda ref: read_part(self.store, ref))
+        finally:
+            await self.host.thaw(live.sandbox_id)
+        parts: list[tuple[str, bytes]] = [("fs", b) for b in cap.new_parts]
+        segments = list(live.segments)
+        if record is not None:
+            record.fs_changed, record.fs_bytes, record.fs_digest = cap.changed, cap.layer_bytes, cap.fs_digest
+            if len(segments) + 1 >= self.settings.checkpoint_full_every:
+                seg = traj.encode_segment([*live.records, record])  # compact: one segment again
+                segments = []
+            else:
+                seg = traj.encode_segment([record])
+            parts.append(("trajectory", seg))
+        if context is not None:
+            parts.append(("context", context))
+
+        def write() -> UnitMeta:
+            refs: dict[str, list[PartRef]] = {"fs": [], "trajectory": [], "context": []}
+            for name, data in parts:
+                refs[name].append(put_part(self.store, data))
+                fault_point(f"ckpt.after_part.{name}")
+            meta = UnitMeta(
+                episode_id=live.id, seq=live.seq + 1, kind=kind,  # type: ignore[arg-type]
+                steps=len(live.records) + (record is not None), compat=live.view.compat,
+                compat_hash=live.view.compat.hash(), spec=live.spec.model_dump(mode="json"),
+                fs_chain=cap.chain, fs_manifest=cap.manifest_ref, fs_digest=cap.fs_digest,
+                trajectory=segments + refs["trajectory"],
+                context=refs["context"][0] if refs["context"] else live.context,
+                weights_ref=live.weights_ref, meta={**live.user_meta, "_sandbox_id": live.sandbox_id})
+            commit_unit(self.store, meta)
+            try:
+                apply_retention(self.store, live.id, self.settings.checkpoint_keep)
+            except (errors.DSecError, FaultInjected) as exc:  # retention retries at the next unit
+                log.warning("episode %s: retention failed: %s", live.id, exc)
+            return meta
+
+        try:
+            meta = await asyncio.to_thread(write)
+        except BaseException:
+            live.dirty = True
+            raise
+        adopt()
+        live.seq, live.segments, live.context = meta.seq, meta.trajectory, meta.context
+        if record is not None:
+            live.records.append(record)
+        return meta
+
+    # --- context, explicit checkpoints, preemption -------------------------------------
+    async def save_context(self, episode_id: str, context: object) -> CheckpointRef:
+        live = self._get(episode_id)
+        raw = json.dumps(context, sort_keys=True).encode()
+        if len(raw) > self.settings.checkpoint_max_context_bytes:
+            raise errors.PayloadTooLarge(f"context of episode {episode_id!r} is {len(raw)} bytes; the limit is "
+                                         f"{self.settings.checkpoint_max_context_bytes} (checkpoint_max_context_bytes)")
+        blob = zstandard.ZstdCompressor(level=self.settings.checkpoint_zstd_level).compress(raw)
+        async with live.lock:
+            await self._ensure_sandbox(live)
+            meta = await self._write_unit(live, "context", context=blob)
+        return self._ref(meta)
+
+    async def context(self, episode_id: str) -> object | None:
+        live = self._get(episode_id)
+        if live.context is None:
+            return None
+        raw = await asyncio.to_thread(read_part, self.store, live.context)
+        return json.loads(zstandard.ZstdDecompressor().decompress(raw))
+
+    async def checkpoint(self, episode_id: str, weights_ref: str | None = None,
+                         meta: dict | None = None) -> CheckpointRef:
+        live = self._get(episode_id)
+        async with live.lock:
+            await self._ensure_sandbox(live)
+            if weights_ref is not None:
+                live.weights_ref = weights_ref
+            live.user_meta.update({k: v for k, v in (meta or {}).items() if not str(k).startswith("_")})
+            m = await self._write_unit(live, "checkpoint")
+        return self._ref(m)
+
+    async def _ensure_sandbox(self, live: _Live) -> None:
+        if live.dirty or live.sandbox_id is None:
+            await self._replace_sandbox(live)
+
+    async def checkpoint_and_stop(self, sandbox_id: str) -> CheckpointRef:
+        """Preemption hook: checkpoint the episode running in ``sandbox_id`` and stop it.
+
+        The episode stays open; its next step (or ``resume``) restores a sandbox.
+        """
+        live = next((lv for lv in self._live.values() if lv.sandbox_id == sandbox_id), None)
+        if live is None:
+            raise errors.NotFound(f"sandbox {sandbox_id!r} runs no open episode on this server")
+        async with live.lock:
+            if live.dirty:  # already ahead of the log: the last unit is the checkpoint
+                meta = (await asyncio.to_thread(complete_units, self.store, live.id))[0]
+            else:
+                meta = await self._write_unit(live, "preempt")
+            await self.host.destroy(sandbox_id)
+            live.sandbox_id, live.dirty = None, False
+        return self._ref(meta)
+
+    async def resume(self, episode_id: str) -> EpisodeInfo:
+        """Bring a stopped (preempted) episode back into a sandbox, or open it if not open."""
+        live = self._live.get(episode_id)
+        if live is None:
+            return await self.open(episode_id)
+        async with live.lock:
+            t0 = time.perf_counter()
+            await self._ensure_sandbox(live)
+        return self._info(live, resumed=True, restore_s=time.perf_counter() - t0)
+
+    async def close(self, episode_id: str) -> None:
+        """Destroy the episode's sandbox; its checkpoints stay (open resumes it)."""
+        live = self._live.pop(episode_id, None)
+        if live is not None and live.sandbox_id:
+            async with live.lock:
+                await self.host.destroy(live.sandbox_id)
+
+    async def forget(self, episode_id: str) -> None:
+        """Drop in-memory state only (what a server crash does); for drills and tests."""
+        self._live.pop(episode_id, None)
+
+    async def info(self, episode_id: str) -> EpisodeInfo:
+        return self._info(self._get(episode_id))
+
+    def export(self, episode_id: str) -> bytes:
+        """The logged trajectory of the newest complete unit as one zstd JSONL stream."""
+        for meta in complete_units(self.store, check_episode_id(episode_id)):
+            try:
+                return b"".join(read_part(self.store, s) for s in meta.trajectory)
+            except errors.DSecError:
+                continue
+        raise errors.NotFound(f"episode {episode_id!r} has no complete checkpoint unit")
+
+    def _ref(self, meta: UnitMeta) -> CheckpointRef:
+        return CheckpointRef(episode_id=meta.episode_id, seq=meta.seq, steps=meta.steps, fs_digest=meta.fs_digest)
+
+    def _info(self, live: _Live, resumed: bool = False, restore_s: float = 0.0) -> EpisodeInfo:
+        return EpisodeInfo(id=live.id, steps=len(live.records), seq=live.seq, sandbox_id=live.sandbox_id,
+                           fs_digest=live.tracker.fs_digest, has_context=live.context is not None,
+                           weights_ref=live.weights_ref, resumed=resumed, restore_s=restore_s)

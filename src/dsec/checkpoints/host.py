@@ -1,0 +1,42 @@
+"""What the episode engine needs from the machine that runs sandboxes.
+
+The sandbox manager (``dsec.node.manager``) provides these hooks; an adapter maps them
+onto this protocol so the engine stays independent of how sandboxes are made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+from dsec.checkpoints.unit import Compat
+from dsec.models import ExecRequest, ExecResult, SandboxSpec
+
+
+class ImageView(BaseModel):
+    """The image a sandbox runs on, as the checkpoint engine sees it."""
+
+    compat: Compat
+    lower_dirs: list[Path] = Field(default_factory=list, description="Unpacked image layers (host)")
+
+
+@runtime_checkable
+class EpisodeHost(Protocol):
+    async def image_view(self, spec: SandboxSpec) -> ImageView:
+        """Resolve the spec's image to its digest, layer digests and unpacked layer dirs."""
+
+    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path]) -> str:
+        """A new sandbox whose root is image layers + ``extra_lower_dirs`` (top-most first)."""
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Destroy; an unknown sandbox is not an error (it may have died with its node)."""
+
+    def upper_dir(self, sandbox_id: str) -> Path: ...
+
+    async def freeze(self, sandbox_id: str) -> None: ...
+
+    async def thaw(self, sandbox_id: str) -> None: ...
