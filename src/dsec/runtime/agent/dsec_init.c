@@ -254,7 +254,9 @@ static int list_children(pid_t *out, int max)
 static void kill_tree(pid_t pgid, pid_t main_child, int *main_status, int *main_done, int sigfd)
 {
     pid_t kids[1024];
-    kill(-pgid, SIGKILL);
+    /* once the main child is reaped its pid (= pgid) may be reused: from then on the
+       group's survivors are reached as our reparented children only */
+    if (!*main_done) kill(-pgid, SIGKILL);
     for (;;) {
         int st;
         pid_t p;
@@ -263,7 +265,7 @@ static void kill_tree(pid_t pgid, pid_t main_child, int *main_status, int *main_
         if (p < 0 && errno == ECHILD) break;
         int n = list_children(kids, 1024);
         for (int i = 0; i < n; i++) { kill(kids[i], SIGKILL); kill(-kids[i], SIGKILL); }
-        kill(-pgid, SIGKILL);
+        if (!*main_done) kill(-pgid, SIGKILL);
         struct pollfd pf = { .fd = sigfd, .events = POLLIN };
         if (poll(&pf, 1, 5) > 0) {
             struct signalfd_siginfo si;
