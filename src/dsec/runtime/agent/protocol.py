@@ -103,18 +103,27 @@ def stdin_frames(data: bytes) -> list[bytes]:
     return out
 
 
+def _unpack(fmt: str, payload: bytes, what: str) -> tuple[int, ...]:
+    try:
+        return struct.unpack_from(fmt, payload)
+    except struct.error:
+        raise SandboxFailure(f"exec agent sent a malformed {what} frame ({len(payload)} bytes)") from None
+
+
 def decode_pid(payload: bytes) -> int:
-    (pid,) = struct.unpack(">I", payload[:4])
-    return pid
+    return _unpack(">I", payload, "started")[0]
 
 
 def decode_exit(payload: bytes) -> tuple[int, bool]:
     """(exit code, timed_out) of an 'X' frame; signals are 128+signo."""
-    code, timed_out = struct.unpack(">iB", payload[:5])
+    code, timed_out = _unpack(">iB", payload, "exit")
     return code, bool(timed_out)
 
 
 def decode_ping(payload: bytes) -> tuple[int, str]:
+    """(protocol version, agent identification) of an 'H' reply."""
+    if not payload:
+        raise SandboxFailure("exec agent sent an empty ping reply")
     return payload[0], payload[1:].decode(errors="replace")
 
 
@@ -130,15 +139,20 @@ class PsEntry:
 def decode_ps(payload: bytes) -> list[PsEntry]:
     """Entries of an 'L' frame: u32 count, then per entry u32 pid, u8 running,
     i32 exit code, u64 start (unix ms), u16 argv length, NUL-separated argv."""
-    (count,) = struct.unpack_from(">I", payload, 0)
-    off, out = 4, []
-    for _ in range(count):
-        pid, running, code, start_ms, alen = struct.unpack_from(">IBiQH", payload, off)
-        off += 19
-        blob = payload[off:off + alen]
-        off += alen
-        argv = [a.decode(errors="replace") for a in blob.split(b"\0")[:-1]]
-        out.append(PsEntry(pid, bool(running), None if running else code, start_ms / 1000.0, argv))
+    try:
+        (count,) = struct.unpack_from(">I", payload, 0)
+        off, out = 4, []
+        for _ in range(count):
+            pid, running, code, start_ms, alen = struct.unpack_from(">IBiQH", payload, off)
+            off += 19
+            blob = payload[off:off + alen]
+            if len(blob) != alen:
+                raise struct.error("argv past the end")
+            off += alen
+            argv = [a.decode(errors="replace") for a in blob.split(b"\0")[:-1]]
+            out.append(PsEntry(pid, bool(running), None if running else code, start_ms / 1000.0, argv))
+    except struct.error:
+        raise SandboxFailure(f"exec agent sent a malformed process list ({len(payload)} bytes)") from None
     return out
 
 
