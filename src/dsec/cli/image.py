@@ -99,10 +99,12 @@ def gc(unused_s: Optional[float] = typer.Option(None, help="Override settings.im
 
 
 @app.command()
-def export(ref: str, path: Path, tag: Optional[str] = typer.Option(None, help="Tag in the layout index")) -> None:
+def export(ref: str, path: Path, tag: Optional[str] = typer.Option(None, help="Tag in the layout index"),
+           compression: Optional[str] = typer.Option(
+               None, help="Re-encode layers as gzip|zstd|tar (umoci 0.4.7 needs gzip); default: as stored")) -> None:
     """Write an image as an OCI image layout (PATH dir, or PATH.tar)."""
     try:
-        _store().export(ref, path, tag)
+        _store().export(ref, path, tag, compression)
     except DSecError as exc:
         _fail(exc)
     typer.echo(f"exported {ref} to {path}")

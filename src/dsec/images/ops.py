@@ -45,8 +45,13 @@ class _Prefixed:
 def import_archive(store: "ImageStore", path: Path, name: str | None, progress: "Progress | None") -> ImageInfo:
     src, plans = plan_archive(path)
     if name and len(plans) > 1:
-        src.close()
-        raise InvalidArgument(f"image archive {path} holds {len(plans)} images; --name needs exactly one")
+        # Several images: --name NAME:TAG picks the one whose tag matches.
+        tag = normalize_name(name).rsplit(":", 1)[1]
+        plans = [p for p in plans if any(n.rsplit(":", 1)[1] == tag for n in p.names)]
+        if len(plans) != 1:
+            src.close()
+            raise InvalidArgument(f"image archive {path} holds several images and {len(plans)} have tag {tag!r}; "
+                                  "give --name NAME:TAG with a tag present in the archive")
     lease = store.new_lease_key("import")
     new_blobs: list[str] = []
     new_layers: list[str] = []
@@ -112,30 +117,86 @@ def _referenced(store: "ImageStore") -> set[str]:
     return refs
 
 
-def export(store: "ImageStore", ref: str, path: Path, tag: str | None) -> None:
-    """Write an OCI image layout (directory, or a tar of one when PATH ends in .tar)."""
+def export(store: "ImageStore", ref: str, path: Path, tag: str | None, compression: str | None = None) -> None:
+    """Write an OCI image layout (directory, or a tar of one when PATH ends in .tar).
+
+    ``compression`` (gzip | zstd | tar) re-encodes layers whose compression differs, for
+    older consumers (umoci 0.4.7 reads no zstd); None keeps the stored blobs as they are.
+    """
+    import json
+
     info = store.resolve(ref)
     mdigest = store.manifest_digest(info.id)
     digests = [mdigest, info.id] + [li.digest for li in info.layers]
     for d in digests:
         store.content.verify(d, f"blob {d} of image {ref}")
     raw = store.content.read_bytes(mdigest)
-    import json
-    mtype = json.loads(raw).get("mediaType") or media.MT_OCI_MANIFEST
+    manifest = json.loads(raw)
+    mtype = manifest.get("mediaType") or media.MT_OCI_MANIFEST
     if tag is None:
         tag = ref.rsplit(":", 1)[1] if ":" in ref and not ref.startswith("sha256:") else (
             info.names[0].rsplit(":", 1)[1] if info.names else "latest")
     blobs = {d: store.content.path(d) for d in digests}
-    if path.suffix == ".tar":
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            write_layout(Path(tmp), blobs, mdigest, len(raw), mtype, [tag])
-            part = path.with_name(path.name + ".part")
+    final = path
+    work = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.")) if path.suffix == ".tar" else path
+    try:
+        if compression is not None:
+            manifest, raw, mdigest = _recompress(store, info, manifest, compression, work, blobs)
+            mtype = manifest.get("mediaType") or media.MT_OCI_MANIFEST
+            blobs[mdigest] = _write_blob(work, raw)
+        write_layout(work, blobs, mdigest, len(raw), mtype, [tag])
+        if work is not final:
+            part = final.with_name(final.name + ".part")
             with tarfile.open(part, "w", format=tarfile.PAX_FORMAT) as tf:
-                for p in sorted(Path(tmp).rglob("*")):
-                    tf.add(p, arcname=str(p.relative_to(tmp)), recursive=False)
-            os.replace(part, path)
-    else:
-        write_layout(path, blobs, mdigest, len(raw), mtype, [tag])
+                for p in sorted(work.rglob("*")):
+                    tf.add(p, arcname=str(p.relative_to(work)), recursive=False)
+            os.replace(part, final)
+    finally:
+        if work is not final:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_blob(dest: Path, data: bytes) -> Path:
+    from dsec.images.fsutil import digest_of
+
+    d = dest / "blobs" / "sha256"
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / digest_of(data)[7:]
+    p.write_bytes(data)
+    return p
+
+
+def _recompress(store: "ImageStore", info: ImageInfo, manifest: dict, compression: str, dest: Path,  # type: ignore[type-arg]
+                blobs: dict[str, Path]) -> tuple[dict, bytes, str]:  # type: ignore[type-arg]
+    import json
+
+    from dsec.images.fsutil import CHUNK, HashingWriter, digest_of
+
+    out_dir = dest / "blobs" / "sha256"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = []
+    for li, desc in zip(info.layers, manifest.get("layers") or []):
+        comp = media.layer_compression(li.media_type, f"layer {li.digest}")
+        if comp == compression:
+            layers.append(desc)
+            continue
+        tmp = out_dir / f".tmp-{li.digest[7:]}"
+        with open(store.content.path(li.digest), "rb") as src, open(tmp, "wb") as fh:
+            hw = HashingWriter(fh)  # type: ignore[arg-type]
+            sink = media.compressing_writer(hw, compression, store.settings.layer_zstd_level)  # type: ignore[arg-type]
+            reader = media.decompressing_reader(src, comp)
+            while chunk := reader.read(CHUNK):
+                sink.write(chunk)
+            sink.close()
+        os.replace(tmp, out_dir / hw.digest[7:])
+        blobs.pop(li.digest, None)
+        blobs[hw.digest] = out_dir / hw.digest[7:]
+        layers.append({"mediaType": media.COMPRESSION_MT[compression], "digest": hw.digest, "size": hw.count})
+    new = dict(manifest, layers=layers)
+    if new.get("mediaType") == media.MT_DOCKER_MANIFEST:
+        new["mediaType"] = media.MT_OCI_MANIFEST
+    raw = json.dumps(new, separators=(",", ":")).encode()
+    return new, raw, digest_of(raw)
 
 
 def remove(store: "ImageStore", ref: str) -> list[str]:

@@ -195,9 +195,9 @@ class ImageStore:
         from dsec.images.ops import import_archive
         return import_archive(self, Path(path), name, progress)
 
-    def export(self, ref: str, path: Path, tag: str | None = None) -> None:
+    def export(self, ref: str, path: Path, tag: str | None = None, compression: str | None = None) -> None:
         from dsec.images.ops import export
-        export(self, ref, Path(path), tag)
+        export(self, ref, Path(path), tag, compression)
 
     def remove(self, ref: str) -> list[str]:
         from dsec.images.ops import remove
