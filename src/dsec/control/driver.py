@@ -1,0 +1,245 @@
+"""The thin async driver: runs the pure ``Scheduler`` against real ``NodeAgent``s.
+
+All decisions are the scheduler's; this module only does I/O: it ticks ``next_batch``
+every ``batch_window_s``, executes placements (create / warm hand-over / pool create /
+destroy) with at most ``Scheduler.parallel_limit()`` creations per node in flight,
+reports results back, runs the reaper every ``reaper_interval_s``, and resolves the
+awaiting ``create`` calls.
+
+Wiring into the API service (its ``Creator`` seam)::
+
+    driver = SchedulerDriver(Scheduler(settings), {agent.node_id: agent}, settings)
+    await driver.start()
+    service.set_creator(driver.create)      # (spec, sandbox_id, tenant) -> SandboxInfo
+    ...
+    await driver.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+from dsec.config import Settings, parse_bytes
+from dsec.control.scheduler import Scheduler
+from dsec.control.types import PRIORITIES, Placement, Request, Ticket
+from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, SandboxFailure, Timeout
+from dsec.models import SandboxInfo, SandboxSpec
+from dsec.node.api import NodeAgent
+
+log = logging.getLogger(__name__)
+
+CheckpointHook = Callable[[str, str], Awaitable[None]]  # (node_id, sandbox_id) before a preemption stop
+ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
+UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
+POOL_LABEL = "dsec.pool"
+_PERMANENT = (InvalidArgument, ImageError, Forbidden)
+
+
+def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings, *,
+                    owner: str | None = None, task_type: str | None = None) -> Request:
+    """Validated wire spec -> the scheduler's plain request (defaults from Settings)."""
+    mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(spec.memory or s.default_memory)
+    disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
+    return Request(request_id, tenant, spec.image, spec.cpu or s.default_cpu, mem, disk,
+                   PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
+                   bool(spec.network), spec.timeout or s.default_timeout_s, dict(spec.labels),
+                   task_type=task_type or spec.labels.get("task"),
+                   owner=owner or spec.labels.get("run"), payload=spec)
+
+
+class SchedulerDriver:
+    def __init__(self, scheduler: Scheduler, agents: Mapping[str, NodeAgent], settings: Settings, *,
+                 checkpoint_hook: CheckpointHook | None = None, image_resolver: ImageResolver | None = None,
+                 usage_probe: UsageProbe | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.sched = scheduler
+        self.agents = dict(agents)
+        self.s = settings
+        self.checkpoint_hook = checkpoint_hook
+        self.image_resolver = image_resolver
+        self.usage_probe = usage_probe
+        self.clock = clock
+        self._waiters: dict[str, asyncio.Future[SandboxInfo]] = {}
+        self._sems: dict[str, asyncio.Semaphore] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Register every agent's capacity with the scheduler and start the loop."""
+        for node_id, agent in self.agents.items():
+            cap = agent.capacity()
+            self.sched.upsert_node(node_id, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
+                                   isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels)
+        self._loop_task = asyncio.create_task(self._loop(), name="dsec-scheduler-driver")
+
+    async def close(self) -> None:
+        """Stop the loop, wait for in-flight operations, fail remaining waiters."""
+        self._stopping = True
+        self._wake.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rid, fut in list(self._waiters.items()):
+            if not fut.done():
+                fut.set_exception(SandboxFailure(f"request {rid!r}: scheduler shut down before it was placed"))
+        self._waiters.clear()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
+               task_type: str | None = None) -> Ticket:
+        """Queue a create; raises InvalidArgument / QuotaExceeded / Overloaded (429 + retry_after)."""
+        if spec.image not in self.sched.images:
+            layers, version = (self.image_resolver(spec.image) if self.image_resolver
+                               else ([(f"image:{spec.image}", 1)], ""))
+            self.sched.register_image(spec.image, layers, version)
+        req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
+        t = self.sched.submit(req, self.clock())
+        if t.state in ("queued", "placed") and request_id not in self._waiters:
+            self._waiters[request_id] = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        return t
+
+    async def wait(self, request_id: str, timeout: float | None = None) -> SandboxInfo:
+        """Wait until ``request_id`` has a sandbox (or failed: raises)."""
+        fut = self._waiters.get(request_id)
+        if fut is None:
+            t = self.sched.ticket(request_id)
+            if t.state == "created" and t.sandbox_id and t.node_id:
+                return await self.agents[t.node_id].get(t.sandbox_id)
+            raise SandboxFailure(f"request {request_id!r} failed: {t.error}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"request {request_id!r} not placed within {timeout}s; it stays queued "
+                          f"(position {self.sched.ticket(request_id).position})") from None
+
+    async def create(self, spec: SandboxSpec, sandbox_id: str, tenant: str) -> SandboxInfo:
+        """The API service's ``Creator`` seam: submit and wait. Idempotent by request id.
+
+        The returned info's id may differ from ``sandbox_id`` on a warm-pool hit (the
+        pool member is handed over); callers must use ``info.id``.
+        """
+        rid = f"{tenant}/{spec.request_id}" if spec.request_id else sandbox_id
+        self.submit(spec, tenant, rid)
+        return await self.wait(rid, self.s.client_timeout_s)
+
+    async def release(self, sandbox_id: str) -> None:
+        """Destroy a sandbox the user is done with and free its capacity."""
+        r = self.sched.running.get(sandbox_id)
+        if r is None:
+            raise NotFound(f"sandbox {sandbox_id!r} is not known to the scheduler")
+        try:
+            await self.agents[r.node_id].destroy(sandbox_id)
+        finally:
+            self.sched.on_released(sandbox_id, self.clock())
+            self._wake.set()
+
+    def heartbeat(self, owner: str) -> None:
+        self.sched.heartbeat(owner, self.clock())
+
+    # ------------------------------------------------------------------ loop
+    async def _loop(self) -> None:
+        next_reap = next_usage = 0.0
+        while not self._stopping:
+            now = self.clock()
+            if self.usage_probe is not None and now >= next_usage:
+                next_usage = now + self.s.overcommit_window_s / 10
+                for node_id in self.agents:
+                    self.sched.usage_sample(node_id, now, self.usage_probe(node_id))
+            if now >= next_reap:
+                next_reap = now + self.s.reaper_interval_s
+                for d in self.sched.reap(now):
+                    self._spawn(self._destroy(d.sandbox_id, f"reaped: {d.reason}"))
+            for p in self.sched.next_batch(now):
+                self._spawn(self._execute(p))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.s.batch_window_s)
+            except asyncio.TimeoutError:
+                pass
+            # Gather requests arriving within one window into the next batch.
+            await asyncio.sleep(self.s.batch_window_s if len(self.sched.queues) else 0)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _sem(self, node_id: str) -> asyncio.Semaphore:
+        sem = self._sems.get(node_id)
+        if sem is None:
+            sem = self._sems[node_id] = asyncio.Semaphore(self.sched.parallel_limit())
+        return sem
+
+    async def _destroy(self, sandbox_id: str, why: str) -> None:
+        r = self.sched.running.get(sandbox_id)
+        node_id = r.node_id if r else None
+        self.sched.on_released(sandbox_id, self.clock())
+        if node_id is not None:
+            try:
+                await self.agents[node_id].destroy(sandbox_id)
+            except NotFound:
+                pass
+            log.info("destroyed %s on %s (%s)", sandbox_id, node_id, why)
+
+    async def _execute(self, p: Placement) -> None:
+        agent = self.agents[p.node_id]
+        try:
+            if p.kind == "destroy":
+                await agent.destroy(p.sandbox_id)  # type: ignore[arg-type]
+                return
+            req = p.request
+            assert req is not None
+            if p.kind == "warm":
+                info = await agent.set_timeout(p.sandbox_id, req.ttl)  # type: ignore[arg-type]
+                self._resolve(req.request_id, info)
+                return
+            for sid in p.evict:
+                await agent.destroy(sid)
+            for sid in p.preempt:
+                if self.checkpoint_hook is not None:
+                    await self.checkpoint_hook(p.node_id, sid)
+                await agent.destroy(sid)
+            await self._create(agent, p, req)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, never lost
+            log.warning("placement %s on %s failed: %s", p.kind, p.node_id, e)
+            if p.kind in ("create", "pool") and p.request is not None and p.request.request_id in self.sched.placed:
+                # A bad spec or image fails the same way on every node: no retry.
+                self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT))
+
+    async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
+        if p.kind == "pool":
+            spec = SandboxSpec(image=req.image, cpu=req.cpu, memory=req.memory, disk=req.disk,
+                               isolation=req.isolation,  # type: ignore[arg-type]
+                               network=[] if req.network else None, labels={POOL_LABEL: "1"},
+                               timeout=7 * 24 * 3600)
+        else:
+            spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
+        async with self._sem(p.node_id):
+            info = await agent.create(spec, tenant=None if p.kind == "pool" else req.tenant)
+        now = self.clock()
+        img = self.sched.images.get(req.image)
+        if img is not None:
+            self.sched.layers_changed(p.node_id, [d for d, _ in img.layers])
+        self.sched.on_created(req.request_id, info.id, now)
+        if p.kind != "pool":
+            self._resolve(req.request_id, info)
+
+    def _failed(self, request_id: str, error: str, retriable: bool) -> None:
+        t = self.sched.on_failed(request_id, self.clock(), error, retriable=retriable)
+        if t is not None and t.state == "failed":
+            fut = self._waiters.pop(request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(SandboxFailure(f"request {request_id!r} failed: {t.error}"))
+        self._wake.set()
+
+    def _resolve(self, request_id: str, info: SandboxInfo) -> None:
+        fut = self._waiters.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(info)
