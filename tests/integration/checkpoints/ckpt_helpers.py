@@ -21,7 +21,7 @@ class Overlay:
         syscalls.umount(str(self.merged))
 
 
-def tree(root: Path) -> dict[str, tuple]:
+def tree(root: Path, mtimes: bool = True) -> dict[str, tuple]:
     """Everything a program in the sandbox can observe about a tree (minus dir mtimes)."""
     out: dict[str, tuple] = {}
     for dirpath, dirnames, filenames in os.walk(root):
@@ -31,7 +31,7 @@ def tree(root: Path) -> dict[str, tuple]:
             rel = str(p.relative_to(root))
             base = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
             if stat.S_ISREG(st.st_mode):
-                out[rel] = base + (hashlib.sha256(p.read_bytes()).hexdigest(), int(st.st_mtime))
+                out[rel] = base + (hashlib.sha256(p.read_bytes()).hexdigest(),) + ((int(st.st_mtime),) if mtimes else ())
             elif stat.S_ISLNK(st.st_mode):
                 out[rel] = base + (os.readlink(p),)
             else:
