@@ -1,0 +1,139 @@
+"""Egress policy with real namespaces and real packets (see conftest for the lab)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from dsec.errors import InvalidArgument
+
+from .conftest import Lab, tcp_probe
+
+pytestmark = pytest.mark.integration
+
+
+def _sid() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def sandboxes(lab: Lab):
+    """Attach sandboxes for one test; detach them all afterwards."""
+    made: list[str] = []
+
+    def make(allow: list[str]):
+        sid = _sid()
+        att = lab.call(lab.mgr.attach(sid, allow))
+        made.append(sid)
+        return sid, att
+
+    yield make
+    for sid in made:
+        lab.call(lab.mgr.detach(sid))
+
+
+def test_allowed_reachable_others_refused(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """Only the listed destination:port is reachable: the same host's other port and
+    another CIDR are refused, and the refusals are recorded for the audit log."""
+    sid, att = sandboxes([f"{lab.a.addr}:8000"])
+    assert tcp_probe(sandbox_exec, att, lab.a.addr, 8000)
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8001)
+    assert not tcp_probe(sandbox_exec, att, lab.b.addr, 8000)
+    events = lab.mgr.denied_events(sid)
+    seen = {(e.destination, e.port, e.protocol) for e in events}
+    assert (lab.a.addr, 8001, "tcp") in seen and (lab.b.addr, 8000, "tcp") in seen
+    assert (lab.a.addr, 8000, "tcp") not in seen
+    assert all(e.target == "remote" and e.time > 0 for e in events)
+
+
+def test_cidr_and_no_port_entries(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """A CIDR entry without port opens every port of that range, and nothing else."""
+    _, att = sandboxes([lab.b.cidr])
+    assert tcp_probe(sandbox_exec, att, lab.b.addr, 8000)
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)
+
+
+def test_host_services_refused_unless_listed(lab: Lab, sandboxes, sandbox_exec, host_server) -> None:
+    """The host's own services (on the sandbox-facing gateway, on the host's other
+    addresses, on 127.0.0.1) are refused, even with 0.0.0.0/0 allowed; an exact
+    host-address entry opens exactly that port."""
+    port_gw = None
+    _, att = sandboxes(["0.0.0.0/0"])
+    port_gw = host_server(att.gateway)
+    port_other = host_server(lab.a.host_addr)
+    port_lo = host_server("127.0.0.1")
+    assert not tcp_probe(sandbox_exec, att, att.gateway, port_gw)
+    assert not tcp_probe(sandbox_exec, att, lab.a.host_addr, port_other)
+    assert not tcp_probe(sandbox_exec, att, "127.0.0.1", port_lo)
+    assert tcp_probe(sandbox_exec, att, lab.a.addr, 8001)  # 0.0.0.0/0 does open remotes
+    sid2, att2 = sandboxes([f"{lab.a.host_addr}:{port_other}"])
+    assert tcp_probe(sandbox_exec, att2, lab.a.host_addr, port_other)
+    assert not tcp_probe(sandbox_exec, att2, att2.gateway, port_gw)
+    assert any(e.target == "host" for e in lab.mgr.denied_events(sid2))
+
+
+def test_sandbox_to_sandbox_refused(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """No sandbox can open a connection to another, even if it lists its address."""
+    _, victim = sandboxes([])
+    srv = subprocess.Popen(["nsenter", f"--net={victim.netns_path}", "busybox", "nc", "-l", "-p", "9000",
+                            "-e", "echo", "ok"])
+    try:
+        time.sleep(0.3)
+        _, att = sandboxes([f"{victim.address}:9000", f"{victim.gateway}"])
+        assert not tcp_probe(sandbox_exec, att, victim.address, 9000)
+        # the victim's server is really up: its own loopback reaches it
+        assert srv.poll() is None
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def test_live_update_opens_and_closes(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """update() replaces the allow-list atomically on a running sandbox."""
+    sid, att = sandboxes([f"{lab.a.addr}:8000"])
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8001)
+    att2 = lab.call(lab.mgr.update(sid, [f"{lab.a.addr}:8001"]))
+    assert att2.netns_path == att.netns_path and att2.resolved == [f"{lab.a.addr}:8001"]
+    assert tcp_probe(sandbox_exec, att, lab.a.addr, 8001)
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)
+
+
+def test_bad_entries_rejected_and_leak_nothing(lab: Lab) -> None:
+    """A bad allow-list is refused with an error naming the entry, before any slot is used."""
+    before = set(lab.mgr._slot_of)
+    with pytest.raises(InvalidArgument, match="10.0.0.1/8"):
+        lab.call(lab.mgr.attach(_sid(), ["10.0.0.1/8"]))
+    assert set(lab.mgr._slot_of) == before
+
+
+def test_bandwidth_limit(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """Sandbox egress is shaped to Settings.net_egress_rate (within 20 %)."""
+    _, att = sandboxes([f"{lab.a.addr}:5201"])
+    r = sandbox_exec(att, ["iperf3", "-c", lab.a.addr, "-p", "5201", "-t", "2", "-J"], 20.0)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"]
+    want = 40e6
+    assert 0.8 * want <= got <= 1.2 * want, f"{got / 1e6:.1f} Mbit/s vs {want / 1e6:.0f} Mbit/s"
+
+
+def test_connection_limit_per_sandbox(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """At most Settings.net_max_connections concurrent connections per sandbox; a
+    neighbour sandbox is unaffected."""
+    _, att = sandboxes([f"{lab.a.addr}:8000", f"{lab.a.addr}:8002"])
+    _, neighbour = sandboxes([f"{lab.a.addr}:8000"])
+    script = "; ".join(f"(busybox nc -w 6 {lab.a.addr} 8002 </dev/null &); sleep 0.05" for _ in range(10))
+    held = subprocess.Popen(["nsenter", f"--net={att.netns_path}", "sh", "-c", script + "; sleep 2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(1.0)
+        assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
+        assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
+        out, _ = held.communicate(timeout=15)
+    finally:
+        if held.poll() is None:
+            held.kill()
+    assert out.count("held") == lab.settings.net_max_connections
