@@ -142,11 +142,18 @@ static int status_to_code(int st)
     return 255;
 }
 
+/* At startup: drop any SIG_IGN inherited from our launcher (ignored dispositions survive
+   execve and would leak into every command). Afterwards only SIGPIPE is ever changed. */
+static void reset_all_dispositions(void)
+{
+    for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
+}
+
 /* Child side before exec: default signal state, so commands behave as under a shell. */
 static void reset_signals(void)
 {
     sigset_t none;
-    for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);  /* handlers need no reset: execve resets caught signals */
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
 }
@@ -910,6 +917,7 @@ int main(int argc, char **argv)
             int p[2];
             if (pipe(p) == 0 && p[1] > 2) close(p[1]);
         }
+    reset_all_dispositions();
     if (argc >= 2 && strcmp(argv[1], "run") == 0) return run_main(argc - 2, argv + 2);
     int fd = 3;
     for (int i = 1; i < argc; i++) {
