@@ -8,7 +8,7 @@ import fnmatch
 import os
 import tempfile
 import time
-from pathlib import Path
+from pathlib import Path as FsPath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -16,8 +16,15 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from dsec import __version__
 from dsec.api.auth import require_admin
 from dsec.api.deps import RAW_BODY, Svc, Tenant, read_body_limited
-from dsec.api.schemas import TENANT_NAME_PATTERN, Health, ImageBuildRequest, TenantCreate, TenantCreated, TenantInfo
-from dsec.errors import Conflict, DSecError, NotFound
+from dsec.api.schemas import (
+    TENANT_NAME_PATTERN,
+    Health,
+    ImageBuildRequest,
+    TenantCreate,
+    TenantCreated,
+    TenantInfo,
+)
+from dsec.errors import Conflict, NotFound
 from dsec.models import ImageInfo
 
 images = APIRouter(prefix="/v1/images", tags=["images"])
@@ -29,7 +36,7 @@ ImageRef = Annotated[str, Path(min_length=1, max_length=256, pattern=r"^[^\x00/]
 
 def _store(svc: Any) -> Any:
     if svc.images is None:
-        raise DSecError("this server has no image store configured")
+        raise NotFound("this server has no image store configured (images are managed on the node)")
     return svc.images
 
 
@@ -61,7 +68,7 @@ async def import_image(request: Request, svc: Svc, t: Tenant,
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        return await asyncio.to_thread(_store(svc).import_archive, Path(tmp), name)
+        return await asyncio.to_thread(_store(svc).import_archive, FsPath(tmp), name)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -70,10 +77,21 @@ async def import_image(request: Request, svc: Svc, t: Tenant,
 @images.post("/build", response_model=ImageInfo, status_code=201, summary="Build an image (admin)")
 async def build_image(req: ImageBuildRequest, svc: Svc, t: Tenant) -> ImageInfo:
     require_admin(t)
-    build = getattr(svc, "build_image", None)
-    if build is None:
-        raise DSecError("image builds are not available on this server")
-    return await build(req)
+    store = _store(svc)
+    return await asyncio.to_thread(_build, store, req, svc.tmp_dir)
+
+
+def _build(store: Any, req: ImageBuildRequest, tmp: FsPath) -> ImageInfo:
+    from dsec.images.build import Builder, make_runner
+    from dsec.images.build.spec import parse_spec
+
+    spec = parse_spec(req.spec, f"build of {req.tag}")
+    with tempfile.TemporaryDirectory(dir=tmp, prefix="build-") as ctx:
+        for rel, text in req.files.items():
+            dest = FsPath(ctx) / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+        return Builder(store, make_runner("unshare", store)).build(spec, req.tag, context=FsPath(ctx)).image
 
 
 @images.delete("/{ref:path}", status_code=204, summary="Remove an image (admin)")

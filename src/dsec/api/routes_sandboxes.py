@@ -9,7 +9,14 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from dsec.api.deps import SandboxId, Svc, Tenant
-from dsec.api.schemas import AuditEntry, ErrorLine, BulkKillRequest, BulkKillResult, SignalRequest, TimeoutRequest
+from dsec.api.schemas import (
+    AuditEntry,
+    BulkKillRequest,
+    BulkKillResult,
+    ErrorLine,
+    SignalRequest,
+    TimeoutRequest,
+)
 from dsec.errors import DSecError, InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 from dsec.node.api import ExecEvent

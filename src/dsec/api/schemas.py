@@ -56,7 +56,7 @@ class TenantInfo(BaseModel):
     created_at: float
 
     @classmethod
-    def of(cls, rec: TenantRecord) -> "TenantInfo":
+    def of(cls, rec: TenantRecord) -> TenantInfo:
         return cls(**rec.model_dump(exclude={"token_hash"}))
 
 
@@ -80,14 +80,22 @@ class AuditEntry(BaseModel):
 
 
 class ImageBuildRequest(BaseModel):
-    """Build a new image from a base plus steps (the images builder's spec)."""
+    """Build an image from a base plus steps (the images builder's YAML spec, as JSON)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., min_length=1, max_length=256)
-    base: str = Field(..., min_length=1, max_length=256)
-    steps: list[dict[str, Any]] = Field(..., min_length=1, max_length=64,
-                                        description="Build steps, e.g. {'run': 'pip install x'}, "
-                                                    "{'copy': {'/app/a.py': '<text>'}}, {'env': {...}}")
+    tag: str = Field(..., min_length=1, max_length=256, pattern=r"^[^\x00\s]+$", description="NAME:TAG of the result")
+    spec: dict[str, Any] = Field(..., description="{'from': 'busybox', 'steps': [{'run': '...'}, ...]} (docs/images.md)")
+    files: dict[str, str] = Field(default_factory=dict, max_length=1024,
+                                  description="Build context: relative path -> text, for copy steps")
+
+    @field_validator("files")
+    @classmethod
+    def _rel(cls, v: dict[str, str]) -> dict[str, str]:
+        for p in v:
+            parts = p.split("/")
+            if not p or p.startswith("/") or ".." in parts or "\0" in p:
+                raise ValueError(f"context path {p!r} must be relative and must not contain '..'")
+        return v
 
 
 class ErrorLine(BaseModel):

@@ -78,7 +78,7 @@ def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level
 
 
 async def serve_async(settings: Settings, host: str, port: int, services: Services | None = None,
-                      log_level: str = "info", ready: "asyncio.Event | None" = None) -> None:
+                      log_level: str = "info", ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM; close services and remove server.json on the way out."""
     import uvicorn
 

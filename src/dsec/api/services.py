@@ -46,7 +46,7 @@ class Services:
 
     @classmethod
     def build(cls, settings: Settings, node: NodeAgent, state: StateStore, images: ImageBackend | None = None,
-              creator: Creator | None = None) -> "Services":
+              creator: Creator | None = None) -> Services:
         metrics = Metrics()
         audit = AuditLog(state, metrics, settings.api_audit_flush_s, settings.api_audit_max_chars)
         sandboxes = SandboxService(settings, node, state, metrics, audit, creator)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import shlex
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -47,13 +47,13 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def run(image: str = typer.Argument(..., help="Image name[:tag]"),
             cmd: list[str] = typer.Argument(..., help="Command (after --)"),
-            cpu: Optional[float] = typer.Option(None, help="CPUs"),
-            memory: Optional[str] = typer.Option(None, help="Memory, e.g. 512M"),
-            timeout: Optional[float] = typer.Option(None, help="Sandbox wall timeout (s)"),
-            exec_timeout: Optional[float] = typer.Option(None, "--exec-timeout", help="Command timeout (s)"),
-            isolation: Optional[str] = typer.Option(None, help="container or gvisor"),
-            network: Optional[list[str]] = typer.Option(None, "--allow", help="Egress host:port/CIDR (repeatable)"),
-            label: Optional[list[str]] = LabelOpt,
+            cpu: float | None = typer.Option(None, help="CPUs"),
+            memory: str | None = typer.Option(None, help="Memory, e.g. 512M"),
+            timeout: float | None = typer.Option(None, help="Sandbox wall timeout (s)"),
+            exec_timeout: float | None = typer.Option(None, "--exec-timeout", help="Command timeout (s)"),
+            isolation: str | None = typer.Option(None, help="container or gvisor"),
+            network: list[str] | None = typer.Option(None, "--allow", help="Egress host:port/CIDR (repeatable)"),
+            label: list[str] | None = LabelOpt,
             keep: bool = typer.Option(False, "--keep", help="Keep the sandbox after the command"),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output")) -> None:
         """Create a sandbox from IMAGE, run CMD in it, print output, then kill it (unless --keep)."""
@@ -75,14 +75,14 @@ def register(app: typer.Typer) -> None:
     @app.command("exec", context_settings={"allow_interspersed_args": False})
     @handle_errors
     def exec_(sandbox_id: str = typer.Argument(...), cmd: list[str] = typer.Argument(..., help="Command (after --)"),
-              timeout: Optional[float] = typer.Option(None, help="Command timeout (s)"),
+              timeout: float | None = typer.Option(None, help="Command timeout (s)"),
               as_json: bool = typer.Option(False, "--json")) -> None:
         """Run CMD in a running sandbox, streaming its output; exits with its exit code."""
         raise typer.Exit(_stream(client(), sandbox_id, cmd, timeout, as_json))
 
     @app.command()
     @handle_errors
-    def ps(label: Optional[list[str]] = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    def ps(label: list[str] | None = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
         """List your sandboxes (state, image, age, labels, cpu/mem limits)."""
         infos = client().list(parse_labels(label))
         if as_json:
@@ -99,8 +99,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     @handle_errors
-    def kill(sandbox_ids: Optional[list[str]] = typer.Argument(None),
-             label: Optional[list[str]] = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    def kill(sandbox_ids: list[str] | None = typer.Argument(None),
+             label: list[str] | None = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
         """Kill sandboxes by id, or all of yours matching --label k=v."""
         c = client()
         killed: list[str] = []

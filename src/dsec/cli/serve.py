@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -12,9 +11,9 @@ from dsec.config import load_settings
 
 def register(app: typer.Typer) -> None:
     @app.command()
-    def serve(host: Optional[str] = typer.Option(None, "--host", help="Bind address (default Settings.host)"),
-              port: Optional[int] = typer.Option(None, "--port", help="Port (default Settings.port; 0 = any)"),
-              home: Optional[Path] = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
+    def serve(host: str | None = typer.Option(None, "--host", help="Bind address (default Settings.host)"),
+              port: int | None = typer.Option(None, "--port", help="Port (default Settings.port; 0 = any)"),
+              home: Path | None = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
               log_level: str = typer.Option("info", "--log-level")) -> None:
         """Run the DSec server (state under DSEC_HOME; Ctrl-C shuts down gracefully)."""
         from dsec.api.server import serve as run

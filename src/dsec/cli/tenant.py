@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.table import Table
 
@@ -15,10 +13,10 @@ app = typer.Typer(help="Manage tenants (admin).", no_args_is_help=True)
 @app.command()
 @handle_errors
 def add(name: str, admin: bool = typer.Option(False, "--admin", help="May manage tenants and images"),
-        max_sandboxes: Optional[int] = typer.Option(None, help="Max concurrent sandboxes"),
-        max_cpu: Optional[float] = typer.Option(None, help="Max CPUs over live sandboxes"),
-        max_memory: Optional[str] = typer.Option(None, help="Max memory over live sandboxes, e.g. 64G"),
-        image: Optional[list[str]] = typer.Option(None, "--image", help="Allowed image glob (repeatable)"),
+        max_sandboxes: int | None = typer.Option(None, help="Max concurrent sandboxes"),
+        max_cpu: float | None = typer.Option(None, help="Max CPUs over live sandboxes"),
+        max_memory: str | None = typer.Option(None, help="Max memory over live sandboxes, e.g. 64G"),
+        image: list[str] | None = typer.Option(None, "--image", help="Allowed image glob (repeatable)"),
         as_json: bool = typer.Option(False, "--json")) -> None:
     """Create a tenant and print its token (shown once; only its hash is stored)."""
     created = client().add_tenant(name, admin=admin, max_sandboxes=max_sandboxes, max_cpu=max_cpu,

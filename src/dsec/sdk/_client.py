@@ -22,8 +22,17 @@ from dsec.models import ExecRequest, SandboxSpec
 from dsec.node.api import ExecEvent
 from dsec.sdk import _ops
 from dsec.sdk._config import ClientConfig, resolve_config
-from dsec.sdk._core import Call, Outcome, Response, RetryPolicy, Send, error_of, parse_event_line, plan, \
-    transport_error
+from dsec.sdk._core import (
+    Call,
+    Outcome,
+    Response,
+    RetryPolicy,
+    Send,
+    error_of,
+    parse_event_line,
+    plan,
+    transport_error,
+)
 
 
 class _Api:
@@ -175,17 +184,17 @@ class Client(_Api):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    _default: "Client | None" = None
+    _default: Client | None = None
     _default_lock = threading.Lock()
 
     @classmethod
-    def default(cls) -> "Client":
+    def default(cls) -> Client:
         """The process-wide client built from the environment (DSEC_URL, DSEC_TOKEN, DSEC_HOME)."""
         with cls._default_lock:
             if cls._default is None:
@@ -237,16 +246,16 @@ class AsyncClient(_Api):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    _defaults: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient]" = weakref.WeakKeyDictionary()
+    _defaults: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def default(cls) -> "AsyncClient":
+    def default(cls) -> AsyncClient:
         """The client of the running event loop built from the environment."""
         loop = asyncio.get_running_loop()
         client = cls._defaults.get(loop)

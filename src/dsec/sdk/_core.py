@@ -45,7 +45,7 @@ class Call(Generic[T]):
     idempotent: bool = False
     timeout: float | None = None
 
-    def map(self, fn: Callable[[T], U]) -> "Call[U]":
+    def map(self, fn: Callable[[T], U]) -> Call[U]:
         parse = self.parse
         return replace(self, parse=lambda r: fn(parse(r)))  # type: ignore[return-value,arg-type]
 

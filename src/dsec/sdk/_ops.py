@@ -12,7 +12,15 @@ from urllib.parse import quote
 from pydantic import TypeAdapter
 
 from dsec.api.schemas import AuditEntry, BulkKillResult, Health, TenantCreated, TenantInfo
-from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, ImageInfo, SandboxInfo, SandboxSpec
+from dsec.models import (
+    BackgroundProcess,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    ImageInfo,
+    SandboxInfo,
+    SandboxSpec,
+)
 from dsec.sdk._core import Call, Response
 
 _SB = "/v1/sandboxes"

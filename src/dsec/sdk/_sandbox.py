@@ -30,7 +30,7 @@ def build_spec(**fields: Any) -> SandboxSpec:
 class _Files:
     """``sb.files``: read/write/list/remove plus tar upload/download."""
 
-    def __init__(self, sb: "_SandboxOps") -> None:
+    def __init__(self, sb: _SandboxOps) -> None:
         self._sb = sb
 
     def read(self, path: str) -> Any:
@@ -100,18 +100,18 @@ class Sandbox(_SandboxOps):
     """A sandbox used from synchronous code. ``with Sandbox.create(...) as sb:`` kills on exit."""
 
     @classmethod
-    def create(cls, image: str = "busybox", *, client: Client | None = None, **spec: Any) -> "Sandbox":
+    def create(cls, image: str = "busybox", *, client: Client | None = None, **spec: Any) -> Sandbox:
         c = client or Client.default()
         s = build_spec(image=image, **spec)
         return c._run(_ops.create(s).map(lambda info: cls(info, c)))
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, client: Client | None = None) -> "Sandbox":
+    def connect(cls, sandbox_id: str, *, client: Client | None = None) -> Sandbox:
         c = client or Client.default()
         return c._run(_ops.get(sandbox_id).map(lambda info: cls(info, c)))
 
     @classmethod
-    def list(cls, labels: dict[str, str] | None = None, *, client: Client | None = None) -> list["Sandbox"]:
+    def list(cls, labels: dict[str, str] | None = None, *, client: Client | None = None) -> list[Sandbox]:
         c = client or Client.default()
         return c._run(_ops.list_(labels).map(lambda infos: [cls(i, c) for i in infos]))
 
@@ -119,7 +119,7 @@ class Sandbox(_SandboxOps):
     def kill_by_labels(cls, labels: dict[str, str], *, client: Client | None = None) -> list[str]:
         return (client or Client.default()).kill_by_labels(labels)
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -152,7 +152,7 @@ class AsyncSandbox(_SandboxOps):
     def kill_by_labels(cls, labels: dict[str, str], *, client: AsyncClient | None = None) -> Any:
         return (client or AsyncClient.default()).kill_by_labels(labels)
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def __aenter__(self) -> AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

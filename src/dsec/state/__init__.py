@@ -4,7 +4,7 @@
 ``MemoryStateStore``-style tests simply use SQLite on ``:memory:``.
 """
 
-from dsec.state.store import AuditRecord, IdempotencyRecord, StateStore, TenantRecord
 from dsec.state.sqlite import SqliteStateStore
+from dsec.state.store import AuditRecord, IdempotencyRecord, StateStore, TenantRecord
 
 __all__ = ["AuditRecord", "IdempotencyRecord", "SqliteStateStore", "StateStore", "TenantRecord"]

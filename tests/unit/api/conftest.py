@@ -8,12 +8,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dsec_fake_node import FakeNode
 
 from dsec.api.app import create_app
 from dsec.api.services import Services
 from dsec.config import Settings
 from dsec.state.sqlite import SqliteStateStore
-from dsec_fake_node import FakeNode
 
 
 @dataclass

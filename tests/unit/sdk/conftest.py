@@ -13,13 +13,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 
-from dsec_fake_node import FakeNode  # noqa: E402
+from dsec_fake_node import FakeNode
 
-from dsec.api.app import create_app  # noqa: E402
-from dsec.api.services import Services  # noqa: E402
-from dsec.config import Settings  # noqa: E402
-from dsec.sdk import AsyncClient  # noqa: E402
-from dsec.state.sqlite import SqliteStateStore  # noqa: E402
+from dsec.api.app import create_app
+from dsec.api.services import Services
+from dsec.config import Settings
+from dsec.sdk import AsyncClient
+from dsec.state.sqlite import SqliteStateStore
 
 
 def _services(home: Path) -> tuple[Services, str]:

@@ -1,0 +1,108 @@
+"""Episode routes: logged, checkpointed, resumable agent episodes (see dsec.checkpoints.engine).
+
+Wire-up (one line in the app factory)::
+
+    from dsec.api.episodes import include_episodes
+    include_episodes(app, engine)       # engine: dsec.checkpoints.engine.EpisodeEngine
+
+Episode ids are per tenant: the engine stores them as ``<tenant>--<id>``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Path, Request, Response
+from pydantic import BaseModel, Field
+
+from dsec.api.deps import Tenant
+from dsec.checkpoints.engine import CheckpointRef, EpisodeEngine, EpisodeInfo, StepResult
+from dsec.models import ExecRequest, SandboxSpec
+
+router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
+EpisodeId = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$", description="Episode id")]
+
+
+class OpenRequest(BaseModel):
+    spec: SandboxSpec | None = Field(None, description="Sandbox to create; ignored when resuming")
+
+
+class StepRequest(BaseModel):
+    step: int = Field(..., ge=0, description="Index of this command in the agent loop (0-based)")
+    request: ExecRequest
+
+
+class CheckpointRequest(BaseModel):
+    weights_ref: str | None = Field(None, max_length=4096, description="Where the model weights are")
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+async def _engine(request: Request) -> EpisodeEngine:
+    return request.app.state.episodes
+
+
+Engine = Annotated[EpisodeEngine, Depends(_engine)]
+
+
+def _key(t: Any, episode_id: str) -> str:
+    return f"{t.name}--{episode_id}"
+
+
+def _public(info: EpisodeInfo, episode_id: str) -> EpisodeInfo:
+    return info.model_copy(update={"id": episode_id})
+
+
+@router.post("/{episode_id}/open", response_model=EpisodeInfo, summary="Create or resume an episode")
+async def open_(episode_id: EpisodeId, req: OpenRequest, eng: Engine, t: Tenant) -> EpisodeInfo:
+    return _public(await eng.open(_key(t, episode_id), req.spec), episode_id)
+
+
+@router.post("/{episode_id}/steps", response_model=StepResult,
+             summary="Run step N live, or return its logged result if already logged")
+async def step(episode_id: EpisodeId, req: StepRequest, eng: Engine, t: Tenant) -> StepResult:
+    return await eng.step(_key(t, episode_id), req.step, req.request)
+
+
+@router.put("/{episode_id}/context", response_model=CheckpointRef, summary="Save agent runtime state")
+async def save_context(episode_id: EpisodeId, eng: Engine, t: Tenant, context: Any = Body(...)) -> CheckpointRef:
+    ref = await eng.save_context(_key(t, episode_id), context)
+    return ref.model_copy(update={"episode_id": episode_id})
+
+
+@router.get("/{episode_id}/context", summary="The last saved agent context (null if none)")
+async def get_context(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Any:
+    return await eng.context(_key(t, episode_id))
+
+
+@router.post("/{episode_id}/checkpoint", response_model=CheckpointRef, summary="Atomic checkpoint unit")
+async def checkpoint(episode_id: EpisodeId, req: CheckpointRequest, eng: Engine, t: Tenant) -> CheckpointRef:
+    ref = await eng.checkpoint(_key(t, episode_id), req.weights_ref, req.meta)
+    return ref.model_copy(update={"episode_id": episode_id})
+
+
+@router.post("/{episode_id}/resume", response_model=EpisodeInfo, summary="Restore a stopped episode")
+async def resume(episode_id: EpisodeId, eng: Engine, t: Tenant) -> EpisodeInfo:
+    return _public(await eng.resume(_key(t, episode_id)), episode_id)
+
+
+@router.get("/{episode_id}", response_model=EpisodeInfo)
+async def info(episode_id: EpisodeId, eng: Engine, t: Tenant) -> EpisodeInfo:
+    return _public(await eng.info(_key(t, episode_id)), episode_id)
+
+
+@router.get("/{episode_id}/export", summary="Trajectory as zstd-compressed JSONL")
+async def export(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
+    import asyncio
+    data = await asyncio.to_thread(eng.export, _key(t, episode_id))
+    return Response(data, media_type="application/zstd")
+
+
+@router.delete("/{episode_id}", status_code=204, summary="Close: destroy the sandbox, keep checkpoints")
+async def close(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
+    await eng.close(_key(t, episode_id))
+    return Response(status_code=204)
+
+
+def include_episodes(app: FastAPI, engine: EpisodeEngine) -> None:
+    app.state.episodes = engine
+    app.include_router(router)

@@ -1,0 +1,93 @@
+"""End to end over HTTP with real sandboxes: SDK, CLI, tenants, bad input, restart recovery."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import Server, ensure_images, start_server
+
+from dsec.errors import Conflict, InvalidArgument, NotFound, PayloadTooLarge
+from dsec.sdk import Client, Sandbox
+
+pytestmark = pytest.mark.integration
+
+
+def test_sdk_roundtrip_real_sandbox(server: Server) -> None:
+    """Create, exec, files, stream, audit and kill a real busybox sandbox through the SDK."""
+    with Client(server.url, server.token) as c:
+        with Sandbox.create(image="busybox", cpu=1, memory="256M", labels={"run": "e2e"}, client=c) as sb:
+            r = sb.exec("echo hello; echo oops >&2; exit 3")
+            assert (r.exit_code, r.stdout, r.stderr) == (3, "hello\n", "oops\n")
+            sb.files.write("/tmp/a.txt", b"data\n")
+            assert sb.exec("cat /tmp/a.txt").stdout == "data\n"
+            assert sb.files.read("/tmp/a.txt") == b"data\n"
+            assert "a.txt" in [e.name for e in sb.files.list("/tmp")]
+            chunks = list(sb.exec_stream("for i in 1 2 3; do echo $i; done"))
+            assert "".join(e.data for e in chunks if e.kind == "stdout") == "1\n2\n3\n"
+            assert chunks[-1].kind == "exit" and chunks[-1].result.exit_code == 0
+            assert [s.id for s in Sandbox.list({"run": "e2e"}, client=c)] == [sb.id]
+            sid = sb.id
+        with pytest.raises(NotFound):
+            c.get(sid)
+        with pytest.raises((NotFound, Conflict)):
+            c.exec(sid, __import__("dsec.models", fromlist=["ExecRequest"]).ExecRequest(cmd="true"))
+        kinds = [e.kind for e in c.audit(sid)]
+        assert kinds[:4] == ["create", "exec", "file_write", "exec"] and "kill" in kinds
+
+
+def test_bad_input_real(server: Server) -> None:
+    """Unknown image is 404 naming it; oversized upload 413; impossible cpu 422 naming the limit."""
+    with Client(server.url, server.token) as c:
+        with pytest.raises(NotFound, match="no-such-image"):
+            Sandbox.create(image="no-such-image:1", client=c)
+        with pytest.raises(InvalidArgument, match="cpu"):
+            Sandbox.create(image="busybox", cpu=512, client=c)
+        with Sandbox.create(image="busybox", client=c) as sb:
+            with pytest.raises(PayloadTooLarge, match="max_upload_bytes"):
+                sb.files.write("/tmp/big", b"x" * (2 << 20))
+        assert c.list() == []
+
+
+def test_cli_and_tenants(server: Server) -> None:
+    """CLI run/ps/logs work with zero config; a new tenant cannot see the local tenant's sandboxes."""
+    r = server.cli("run", "busybox", "--", "sh", "-c", "echo from-cli; exit 4", check=False)
+    assert r.returncode == 4 and r.stdout == "from-cli\n"
+    created = json.loads(server.cli("tenant", "add", "team-a", "--max-sandboxes", "2", "--json").stdout)
+    env_a = {**server.env, "DSEC_TOKEN": created["token"]}
+    sid = json.loads(server.cli("run", "busybox", "--keep", "--json", "--", "true").stdout)["sandbox_id"]
+    ps_local = json.loads(server.cli("ps", "--json").stdout)
+    assert [s["id"] for s in ps_local] == [sid]
+    assert json.loads(server.cli("ps", "--json", env=env_a).stdout) == []
+    denied = server.cli("kill", sid, env=env_a, check=False)
+    assert denied.returncode == 1 and "not found" in denied.stderr
+    logs = json.loads(server.cli("logs", sid, "--json").stdout)
+    assert [e["kind"] for e in logs] == ["create", "exec"]
+    server.cli("kill", sid)
+    assert "team-a" in server.cli("tenant", "ls").stdout
+    server.cli("tenant", "rm", "team-a")
+    assert server.cli("ps", env=env_a, check=False).returncode == 1
+
+
+def test_restart_recovers_state(tmp_path: Path) -> None:
+    """After SIGTERM and restart: sandboxes are adopted, tokens and idempotency keys persist."""
+    ensure_images(tmp_path, ["busybox"])
+    srv = start_server(tmp_path)
+    try:
+        with Client(srv.url, srv.token) as c:
+            sb = Sandbox.create(image="busybox", request_id="job-42", client=c)
+            sb.files.write("/tmp/keep", b"kept")
+        assert srv.stop(signal.SIGTERM) == 0
+        assert not (tmp_path / "server.json").exists()
+        srv = start_server(tmp_path)
+        assert srv.token == (tmp_path / "token").read_text().strip()
+        with Client(srv.url, srv.token) as c:
+            again = Sandbox.create(image="busybox", request_id="job-42", client=c)
+            assert again.id == sb.id
+            assert again.exec("cat /tmp/keep").stdout == "kept"
+            again.kill()
+            assert c.list() == []
+    finally:
+        srv.stop()
