@@ -65,7 +65,7 @@ add rule inet {t} allowed accept
 add chain inet {t} pre {{ type filter hook prerouting priority raw; policy accept; }}
 flush chain inet {t} pre
 add rule inet {t} pre iifname {g} meta nfproto ipv6 drop
-add rule inet {t} pre iifname {g} iifname . ip saddr . ether saddr != @ids drop
+add rule inet {t} pre iifname {g} iifname . ip saddr . ether saddr != @ids counter drop
 add chain inet {t} forward {{ type filter hook forward priority filter; policy accept; }}
 flush chain inet {t} forward
 add rule inet {t} forward oifname {g} ct state established,related accept
@@ -83,7 +83,7 @@ add table arp {t}
 add set arp {t} ids {{ type ifname . ipv4_addr . ether_addr; }}
 add chain arp {t} in {{ type filter hook input priority filter; policy accept; }}
 flush chain arp {t} in
-add rule arp {t} in iifname {g} iifname . arp saddr ip . arp saddr ether != @ids drop
+add rule arp {t} in iifname {g} iifname . arp saddr ip . arp saddr ether != @ids counter drop
 """
 
 

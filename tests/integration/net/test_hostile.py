@@ -4,6 +4,7 @@ is more power than a real sandbox has. The enforcement lives in the host namespa
 
 from __future__ import annotations
 
+import json
 import subprocess
 import textwrap
 import time
@@ -25,6 +26,18 @@ def pair(lab: Lab):
     yield attacker, victim
     for sid in sids:
         lab.call(lab.mgr.detach(sid))
+
+
+def _spoof_drops(lab: Lab, family: str, chain: str) -> int:
+    """Packets dropped so far by the anti-spoofing rule of ``chain`` (nft counter)."""
+    out = subprocess.run(["nft", "-j", "list", "chain", family, lab.mgr.ops.params.table, chain],
+                         capture_output=True, text=True, check=True).stdout
+    total = 0
+    for obj in json.loads(out)["nftables"]:
+        for expr in obj.get("rule", {}).get("expr", []):
+            if "counter" in expr:
+                total += expr["counter"]["packets"]
+    return total
 
 
 def _root(att, *cmd: str) -> subprocess.CompletedProcess:
@@ -79,7 +92,9 @@ def test_raw_socket_spoofed_packets_dropped(lab: Lab, pair) -> None:
             s.sendto(pkt('{victim.address}', '{lab.a.addr}', 9999, b'spoofed'), ('{lab.a.addr}', 0))
             s.sendto(pkt('{attacker.address}', '{lab.a.addr}', 9999, b'denied'), ('{lab.a.addr}', 0))
     """)
+    before = _spoof_drops(lab, "inet", "pre")
     assert _root(attacker, "python3", "-c", code).returncode == 0
+    assert _spoof_drops(lab, "inet", "pre") >= before + 5  # dropped at the host-side rule
     # control: the victim's genuine datagram does arrive
     _root(victim, "python3", "-c", "import socket; socket.socket(2, 2).sendto(b'genuine', "
                                    f"('{lab.a.addr}', 9999))")
@@ -103,8 +118,10 @@ def test_arp_and_mac_spoofing(lab: Lab, pair) -> None:
             arp = struct.pack('!HHBBH6s4s6s4s', 1, 0x0800, 6, 4, 2, mac, ip, b'\\xff' * 6, ip)
             s.send(b'\\xff' * 6 + mac + b'\\x08\\x06' + arp)
     """)
+    before = _spoof_drops(lab, "arp", "in")
     assert _root(attacker, "python3", "-c", code).returncode == 0
     time.sleep(0.2)
+    assert _spoof_drops(lab, "arp", "in") >= before + 2  # both lies dropped by the host-side rule
     neigh = subprocess.run(["ip", "neigh", "show", victim.address], capture_output=True, text=True).stdout
     assert attacker.mac not in neigh and attacker.host_if not in neigh
     assert tcp_probe(netns_exec, victim, lab.a.addr, 8001)
