@@ -69,3 +69,16 @@ def test_sigterm_cancels_and_kills_tree(agent_binary: Path) -> None:
         time.sleep(0.02)
     assert [p for p in pids if _alive(p)] == []
     proc.stdout.close()
+
+
+def test_commands_get_default_signal_dispositions(agent_binary: Path) -> None:
+    """Signals ignored by whoever launched dsec-init are not ignored in the command."""
+    def ignore_some() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    cmd = [str(agent_binary), "run", "--", "grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"]
+    control = subprocess.run(cmd[3:], preexec_fn=ignore_some, capture_output=True, check=True)
+    assert b"SigIgn:\t0000000000000003" in control.stdout  # the launcher really ignores HUP+INT
+    r = subprocess.run(cmd, preexec_fn=ignore_some, capture_output=True, check=True)
+    assert r.stdout == b"SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
