@@ -22,8 +22,13 @@ from dsec.models import BackgroundProcess
 from dsec.runtime.agent import protocol as p
 
 __all__ = [
-    "ExecOutcome", "agent_exec", "agent_exec_stream", "agent_background", "agent_ps", "agent_kill",
+    "ExecOutcome",
+    "agent_background",
+    "agent_exec",
+    "agent_exec_stream",
+    "agent_kill",
     "agent_ping",
+    "agent_ps",
 ]
 
 
