@@ -1,83 +1,11 @@
-"""End-to-end fixtures: a real ``dsec serve`` process (real LocalNodeAgent, runc, overlayfs)
-on a free loopback port with its own DSEC_HOME."""
+"""E2E fixtures (helpers in e2e_server.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-DSEC = str(Path(sys.executable).parent / "dsec")
-
-
-@dataclass
-class Server:
-    home: Path
-    proc: subprocess.Popen[bytes]
-    url: str
-    token: str
-    log: Path
-
-    @property
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
-        env["DSEC_HOME"] = str(self.home)
-        return env
-
-    def cli(self, *args: str, check: bool = True, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run([DSEC, *args], env=env or self.env, capture_output=True, text=True, timeout=timeout)
-        if check and r.returncode != 0:
-            raise AssertionError(f"dsec {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
-        return r
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-
-def ensure_images(home: Path, only: list[str]) -> None:
-    from dsec.config import Settings
-    from dsec.images import ImageStore
-    from dsec.images.stock import ensure_stock
-
-    settings = Settings(home=home)
-    ensure_stock(ImageStore(home / "images", settings), only=only, log=lambda _: None)
-
-
-def start_server(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 120) -> Server:
-    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
-    env.update({"DSEC_HOME": str(home), **(extra_env or {})})
-    (home / "server.json").unlink(missing_ok=True)
-    log = home / f"serve-{time.time_ns()}.log"
-    fh = open(log, "wb")
-    proc = subprocess.Popen([DSEC, "serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-                            env=env, stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"dsec serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            info = json.loads((home / "server.json").read_text())
-            if info.get("pid") == proc.pid:
-                break
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"dsec serve did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    token = (home / "token").read_text().strip()
-    return Server(home=home, proc=proc, url=info["url"], token=token, log=log)
+from e2e_server import Server, ensure_images, start_server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from conftest import Server
+from e2e_server import Server
 from hypothesis import HealthCheck, settings
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import Server, ensure_images, start_server
+from e2e_server import Server, ensure_images, start_server
 
 from dsec.errors import Conflict, InvalidArgument, NotFound, PayloadTooLarge
 from dsec.sdk import Client, Sandbox

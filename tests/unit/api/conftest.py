@@ -1,51 +1,12 @@
-"""Fixtures: the real FastAPI app over SQLite state and the in-memory FakeNode."""
+"""Fixtures for API unit tests (helpers live in api_env.py: conftest modules cannot be imported)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-from dsec_fake_node import FakeNode
-
-from dsec.api.app import create_app
-from dsec.api.services import Services
-from dsec.config import Settings
-from dsec.state.sqlite import SqliteStateStore
-
-
-@dataclass
-class Env:
-    services: Services
-    node: FakeNode
-    admin: httpx.AsyncClient
-    alice: httpx.AsyncClient
-    bob: httpx.AsyncClient
-    anon: httpx.AsyncClient
-    alice_token: str
-
-
-def make_settings(tmp_path: Path, **over: object) -> Settings:
-    return Settings(home=tmp_path, api_audit_flush_s=0.05, api_prune_interval_s=3600, **over)  # type: ignore[arg-type]
-
-
-async def make_env(tmp_path: Path, **over: object) -> Env:
-    settings = make_settings(tmp_path, **over)
-    node = FakeNode(settings)
-    services = Services.build(settings, node, SqliteStateStore(tmp_path / "state.db"))
-    await services.start()
-    app = create_app(services, manage_lifecycle=False)
-    _, admin_tok = services.auth.create_tenant("admin", admin=True)
-    _, alice_tok = services.auth.create_tenant("alice", max_sandboxes=2, max_cpu=6)
-    _, bob_tok = services.auth.create_tenant("bob", images=["busybox*"])
-
-    def client(tok: str | None) -> httpx.AsyncClient:
-        headers = {"authorization": f"Bearer {tok}"} if tok else {}
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec", headers=headers)
-
-    return Env(services, node, client(admin_tok), client(alice_tok), client(bob_tok), client(None), alice_tok)
+from api_env import Env, make_env
 
 
 @pytest.fixture

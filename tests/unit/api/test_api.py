@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Env, make_env
+from api_env import Env, make_env
 
 
 async def _create(c, **spec):  # type: ignore[no-untyped-def]
