@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from agent_helpers import ENV, sh
+from agent_helpers import ENV, sh, wait_dead
 
 from dsec.errors import InvalidArgument, SandboxFailure
 from dsec.runtime.agent_client import ExecOutcome, agent_exec, agent_exec_stream, agent_ping
@@ -134,3 +134,26 @@ async def test_unreachable_agent_raises_sandbox_failure_naming_the_socket(tmp_pa
     with pytest.raises(SandboxFailure, match=str(missing)):
         await agent_exec(missing, ["true"], env=ENV, cwd="/", timeout=5, max_output=10)
     assert not await agent_ping(missing, 1.0)
+
+
+async def test_slow_host_reader_gets_backpressure_not_buffering(sock: Path) -> None:
+    """A host that stops reading stalls the command (pipe full) instead of growing the agent;
+    closing the connection then kills it."""
+    from dsec.runtime.agent import protocol as proto
+
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    writer.write(proto.encode_exec(["/bin/sh", "-c", "head -c 1000000000 /dev/zero"], ENV, "/", 60))
+    length, kind = proto.parse_header(await reader.readexactly(5))
+    assert kind == b"S"
+    pid = proto.decode_pid(await reader.readexactly(length))  # pid of sh; head is its child
+    await asyncio.sleep(0.5)  # read nothing while the command could produce ~GBs
+    probe = (f'h=$(cut -d" " -f4 /proc/{pid}/stat); grep VmRSS /proc/$h/status; '
+             f'cat /proc/{pid}/task/{pid}/children')
+    r = await sh(sock, probe)
+    rss_kb = int(re.search(rb"VmRSS:\s+(\d+)", r.stdout).group(1))  # type: ignore[union-attr]
+    head_pid = int(r.stdout.split()[-1])
+    assert rss_kb < 8 * 1024, r.stdout
+    state = (await sh(sock, f"cut -d' ' -f3 /proc/{head_pid}/stat")).stdout
+    assert state == b"S\n"  # blocked writing to the full pipe, not running
+    writer.close()
+    assert await wait_dead(sock, [pid, head_pid]) == []
