@@ -118,8 +118,8 @@ def parse_entry(entry: object, resolve: Resolver | None = None) -> list[AllowRul
             raise _bad(entry, f"bad prefix length ({e})") from None
         except ValueError as e:
             if "has host bits set" in str(e):
-                raise _bad(entry, f"{host} has host bits set; did you mean "
-                                  f"{ipaddress.IPv4Network(host, strict=False)}?") from None
+                raise _bad(entry, f"{host} has host bits set (did you mean "
+                                  f"{ipaddress.IPv4Network(host, strict=False)})") from None
             raise _bad(entry, f"{host!r} is not an IPv4 address or CIDR") from None
         _check_network(entry, host, net)
         return [AllowRule(net, ports, entry)]

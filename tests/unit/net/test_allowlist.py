@@ -36,7 +36,7 @@ def test_valid_entries(entry: str, canonical: str, ports) -> None:
     ("10.0.0.1/8", "host bits set"),
     ("0.0.0.0", "not a destination"),
     ("0/0", "not an IPv4"),
-    ("1.0.0.0/4", "suspiciously broad"),
+    ("16.0.0.0/4", "suspiciously broad"),
     ("127.0.0.1:80", "loopback"),
     ("224.0.0.1", "multicast"),
     ("10.0.0.5:0", "1-65535"),
