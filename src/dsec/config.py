@@ -130,6 +130,7 @@ class Settings(BaseSettings):
     place_spread: float = Field(0.02, description="Score penalty per sandbox already placed on a node this batch")
     locality_candidates: int = Field(16, description="Nodes holding the image sampled as candidates (large clusters)")
     warm_pool_refill_s: float = Field(5.0, description="Demand bucket = time to rebuild a pool member")
+    warm_pool_plan_interval_s: float = Field(30.0, description="Full pool plan (expiry, shrink) period")
     warm_pool_max_per_tenant: int = Field(512, description="Max warm sandboxes one tenant's demand may ask for")
     warm_pool_max_total: int = Field(100000, description="Max warm sandboxes cluster-wide")
     retry_budget_ratio: float = Field(0.2, description="Retries allowed as a fraction of first attempts")

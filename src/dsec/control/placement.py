@@ -150,11 +150,23 @@ class OursPolicy:
         total = image.total_bytes or 1
         layers = image.layers
         ratio, thr = self.ratio, self.threshold
+        cpu, mem, disk, gpu, iso = req.cpu, req.memory, req.disk, req.gpu, req.isolation
+        excluded, selector = req.excluded, req.selector
         best = best_near = None
         best_s = best_near_s = -1e18
         best_m = best_near_m = 0
         for node in self.candidates(image, cluster, rng):
-            if not _eligible(node, req, ratio, thr):
+            # Inlined ``_eligible``/``fits`` (same rule; the hot loop cannot afford the calls).
+            if (not node.healthy or node.predicted >= thr or iso not in node.isolation
+                    or node.used_cpu + cpu > node.cpu * ratio + 1e-9
+                    or node.used_memory + mem > node.memory * ratio
+                    or node.used_disk + disk > node.disk or node.count >= node.max_sandboxes):
+                continue
+            if excluded and node.node_id in excluded:
+                continue
+            if gpu is not None and node.gpu_used.get(gpu, 0) >= node.gpus.get(gpu, 0):
+                continue
+            if selector and any(node.labels.get(k) != v for k, v in selector.items()):
                 continue
             have = node.layers
             miss = 0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dsec.config import Settings
 from dsec.control.types import LOW, Placement, Request, Running, Shape
-from dsec.control.warmpool import Member, PoolDemand, plan_pools
+from dsec.control.warmpool import PoolDemand, plan_pools
 
 if TYPE_CHECKING:
     from dsec.control.scheduler import Scheduler
@@ -81,12 +81,10 @@ class PoolBook:
         out: list[Placement] = []
         sched = self.sched
         if now >= self.next_plan:
-            self.next_plan = now + self.s.warm_pool_refill_s
+            self.next_plan = now + self.s.warm_pool_plan_interval_s
             self.targets = self.demand.targets(now)
-            members = {sh: [Member(r.sandbox_id, r.node_id, sh, r.started_at, r.image_version) for r in lst]
-                       for sh, lst in self.free.items() if lst}
             versions = {name: img.version for name, img in sched.images.items()}
-            plan = plan_pools(now, self.targets, members, self.inflight, versions, self.s)
+            plan = plan_pools(now, self.targets, self.free, self.inflight, versions, self.s)
             for sid, why in plan.destroy:
                 r = sched.running.get(sid)
                 if r is not None:
@@ -97,7 +95,9 @@ class PoolBook:
         else:
             todo = {}
             for shape in self.dirty:
-                gap = self.targets.get(shape, 0) - len(self.free.get(shape, ())) - self.inflight.get(shape, 0)
+                # Between full plans a shape's target is refreshed in O(1) so bursts grow it now.
+                self.targets[shape] = tgt = self.demand.target(now, shape)
+                gap = tgt - len(self.free.get(shape, ())) - self.inflight.get(shape, 0)
                 if gap > 0:
                     todo[shape] = gap
         self.dirty.clear()

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dsec.config import Settings
-from dsec.control.types import Shape
+from dsec.control.types import Running, Shape
 
 
 class _Demand:
@@ -72,6 +73,18 @@ class PoolDemand:
             d.per_tenant[tenant] = n + 1
             d.count += 1
 
+    def target(self, now: float, shape: Shape) -> int:
+        """Current target of one shape (O(1)); used between full plans."""
+        d = self.shapes.get(shape)
+        if d is None:
+            return 0
+        b = int(now // self.bucket_s)
+        if d.bucket != b:
+            d.close()
+            d.bucket, d.count = b, 0
+            d.per_tenant.clear()
+        return math.ceil(d.peak(b, self.nbuckets) * self.factor)
+
     def targets(self, now: float) -> dict[Shape, int]:
         """Pool size per shape; shapes with no demand in the window get 0 and are forgotten."""
         b = int(now // self.bucket_s)
@@ -95,10 +108,12 @@ class PoolDemand:
 
 @dataclass(slots=True)
 class Member:
+    """What the plan needs of a pool member (``Running`` has the same attributes)."""
+
     sandbox_id: str
     node_id: str
     shape: Shape
-    created_at: float
+    started_at: float
     image_version: str
 
 
@@ -108,23 +123,23 @@ class PoolPlan:
     destroy: list[tuple[str, str]] = field(default_factory=list)  # (sandbox_id, reason)
 
 
-def plan_pools(now: float, targets: dict[Shape, int], members: dict[Shape, list[Member]],
+def plan_pools(now: float, targets: dict[Shape, int], members: Mapping[Shape, Sequence[Member | Running]],
                inflight: dict[Shape, int], versions: dict[str, str], s: Settings) -> PoolPlan:
     """Given demand targets and current members, what to create and destroy per shape."""
     plan = PoolPlan()
     for shape in set(targets) | set(members):
         want = targets.get(shape, 0)
-        keep: list[Member] = []
+        keep: list[Member | Running] = []
         for m in members.get(shape, ()):
             if versions.get(shape[0], m.image_version) != m.image_version:
                 plan.destroy.append((m.sandbox_id, "image_changed"))
-            elif now - m.created_at > s.warm_pool_max_idle_s:
+            elif now - m.started_at > s.warm_pool_max_idle_s:
                 plan.destroy.append((m.sandbox_id, "idle_expired"))
             else:
                 keep.append(m)
         surplus = len(keep) + inflight.get(shape, 0) - want
         if surplus > 0:
-            keep.sort(key=lambda m: m.created_at)
+            keep.sort(key=lambda m: m.started_at)
             for m in keep[:surplus]:
                 plan.destroy.append((m.sandbox_id, "surplus"))
         elif surplus < 0:
