@@ -1,0 +1,221 @@
+"""``dsec demo``: N concurrent scripted coding-agent episodes on the local server, live.
+
+Starts (or reuses) the local server, ensures the stock image, runs the episodes with a
+live rich view, prints a summary (episodes, tool calls, start and exec latency
+percentiles, failures) and writes a JSON + markdown report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dsec.cli.common import err, handle_errors, out, percentile
+from dsec.cli.demo_tasks import EpisodeResult, run_episode
+from dsec.config import Settings, load_settings
+from dsec.errors import DSecError
+
+
+def _server_up() -> bool:
+    from dsec.sdk import Client
+
+    try:
+        with Client(retries=0, timeout=5) as c:
+            c.health()
+        return True
+    except DSecError:
+        return False
+
+
+def _start_server(settings: Settings) -> subprocess.Popen[bytes]:
+    from dsec.sdk._config import SERVER_FILE
+
+    log = settings.home / "demo-serve.log"
+    settings.home.mkdir(parents=True, exist_ok=True)
+    (settings.home / SERVER_FILE).unlink(missing_ok=True)
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "serve", "--port", "0",
+                                 "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DSecError(f"`dsec serve` exited with {proc.returncode}; see {log}")
+        if (settings.home / SERVER_FILE).exists() and _server_up():
+            return proc
+        time.sleep(0.1)
+    proc.terminate()
+    raise DSecError(f"`dsec serve` did not become healthy in 120 s; see {log}")
+
+
+def _ensure_image(settings: Settings, image: str) -> None:
+    from dsec.images import ImageStore
+    from dsec.images.stock import STOCK, ensure_stock
+
+    name = image.split(":")[0]
+    if name not in STOCK:
+        return  # a user image: the server reports a clear 404 if it is missing
+    with err.status(f"ensuring stock image {name!r} (first time builds it; cached afterwards)") as status:
+        ensure_stock(ImageStore(settings.home / "images", settings), only=[name],
+                     log=lambda m: status.update(f"image {name}: {m}"))
+
+
+async def _run_all(n: int, image: str, run_id: str, live: bool) -> tuple[list[EpisodeResult], float]:
+    from dsec.sdk import AsyncClient
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not live)
+    episodes = progress.add_task("episodes", total=n, info="")
+    calls = progress.add_task("tool calls", total=None, info="")
+    started = 0
+
+    def on_step(_: int, what: str) -> None:
+        nonlocal started
+        if what == "create":
+            started += 1
+            progress.update(episodes, info=f"{started} sandboxes started")
+        else:
+            progress.advance(calls)
+
+    async with AsyncClient() as client:
+        t0 = time.perf_counter()
+        with Live(Panel(progress, title=f"dsec demo · {n} agent episodes · image {image}"), console=err,
+                  refresh_per_second=8, transient=False) if live else _Null():
+            async def one(i: int) -> EpisodeResult:
+                r = await run_episode(i, image, run_id, client, on_step)
+                progress.advance(episodes)
+                if not live:
+                    err.print(f"episode {i} {r.task}: {'passed' if r.passed else 'FAILED'} "
+                              f"({r.tool_calls} tool calls, {r.wall_s:.2f}s){' ' + r.error if r.error else ''}")
+                return r
+            results = await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+        leftover = await client.list({"demo": run_id})
+        if leftover:
+            await client.kill_by_labels({"demo": run_id})
+    return list(results), wall
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def summarize(results: list[EpisodeResult], wall: float, image: str, run_id: str) -> dict[str, Any]:
+    starts = [r.start_s for r in results if r.start_s is not None]
+    execs = [x for r in results for x in r.exec_s]
+    calls = sum(r.tool_calls for r in results)
+    ms = lambda v: round(v * 1000, 1)  # noqa: E731
+    return {
+        "run_id": run_id, "image": image, "episodes": len(results),
+        "passed": sum(r.passed for r in results), "failed": sum(not r.passed for r in results),
+        "fixed_after_failing_test": sum(r.passed and r.attempts > 1 for r in results),
+        "tool_calls": calls, "wall_s": round(wall, 3),
+        "tool_calls_per_s": round(calls / wall, 1) if wall else 0.0,
+        "start_ms": {f"p{q}": ms(percentile(starts, q)) for q in (50, 95, 99)} | {"max": ms(max(starts, default=0))},
+        "exec_ms": {f"p{q}": ms(percentile(execs, q)) for q in (50, 95, 99)} | {"max": ms(max(execs, default=0))},
+        "errors": [{"episode": r.index, "task": r.task, "error": r.error} for r in results if r.error],
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "episodes_detail": [r.as_dict() for r in results],
+    }
+
+
+def _markdown(s: dict[str, Any]) -> str:
+    lines = [f"# dsec demo report ({s['finished_at']})", "",
+             f"{s['episodes']} concurrent coding-agent episodes in `{s['image']}` sandboxes on "
+             f"{s['host']['cpus']} CPUs (kernel {s['host']['kernel']}).", "",
+             "| metric | value |", "| --- | --- |"]
+    rows = [("episodes passed", f"{s['passed']}/{s['episodes']}"),
+            ("fixed after a failing test", s["fixed_after_failing_test"]),
+            ("tool calls", s["tool_calls"]), ("wall time", f"{s['wall_s']} s"),
+            ("tool calls / s", s["tool_calls_per_s"]),
+            ("sandbox start p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"])),
+            ("exec p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"])),
+            ("failures", len(s["errors"]))]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if s["errors"]:
+        lines += ["", "## Failures", ""] + [f"- episode {e['episode']} ({e['task']}): {e['error']}"
+                                            for e in s["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def _report_dir(explicit: Path | None, settings: Settings) -> Path:
+    for d in ([explicit] if explicit else [Path.cwd() / "reports", settings.home / "reports"]):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise DSecError("no writable report directory; pass --report-dir")
+
+
+def _summary_table(s: dict[str, Any]) -> Table:
+    t = Table(title="dsec demo summary", header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("episodes (passed/total)", f"{s['passed']}/{s['episodes']}")
+    t.add_row("fixed after a failing test", str(s["fixed_after_failing_test"]))
+    t.add_row("tool calls", str(s["tool_calls"]))
+    t.add_row("wall time", f"{s['wall_s']:.2f} s ({s['tool_calls_per_s']} calls/s)")
+    t.add_row("start latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"]))
+    t.add_row("exec latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"]))
+    t.add_row("failures", str(len(s["errors"])), style="red" if s["errors"] else None)
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @handle_errors
+    def demo(episodes: Optional[int] = typer.Option(None, "-n", "--episodes", help="Concurrent episodes"),
+             image: Optional[str] = typer.Option(None, help="Image (default Settings.demo_image)"),
+             report_dir: Optional[Path] = typer.Option(None, help="Where to write the report"),
+             as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON")) -> None:
+        """Run concurrent scripted coding-agent episodes on the local server and report latencies."""
+        settings = load_settings()
+        n = episodes or settings.demo_episodes
+        img = image or settings.demo_image
+        if n < 1:
+            raise typer.BadParameter("--episodes must be >= 1")
+        proc = None
+        if not _server_up():
+            err.print("[dim]no server running: starting `dsec serve` for the demo[/dim]")
+            proc = _start_server(settings)
+        try:
+            _ensure_image(settings, img)
+            run_id = "demo-" + uuid.uuid4().hex[:8]
+            results, wall = asyncio.run(_run_all(n, img, run_id, live=sys.stderr.isatty() and not as_json))
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        summary = summarize(results, wall, img, run_id)
+        d = _report_dir(report_dir, settings)
+        stem = d / f"{run_id}"
+        stem.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+        stem.with_suffix(".md").write_text(_markdown(summary))
+        if as_json:
+            print(json.dumps({k: v for k, v in summary.items() if k != "episodes_detail"}, indent=2))
+        else:
+            out.print(_summary_table(summary))
+            out.print(f"report: {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
+        if summary["failed"]:
+            raise typer.Exit(1)
