@@ -93,8 +93,7 @@ class DirHost:
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         merged = self._dir(sandbox_id) / "merged"
-        if not merged.is_dir():
-            raise errors.NotFound(f"sandbox {sandbox_id!r} not found")
+        self._check_alive(sandbox_id, merged)
         argv = req.argv()
         if req.cwd:
             argv = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', req.cwd, *argv]
@@ -112,9 +111,32 @@ class DirHost:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = await proc.communicate()
+        self._check_alive(sandbox_id, merged)  # killed mid-command: no result, the step failed
         return ExecResult(exit_code=proc.returncode if not timed_out else 124, stdout=out.decode(errors="replace"),
                           stderr=err.decode(errors="replace"), duration=time.perf_counter() - t0,
                           timed_out=timed_out)
+
+    def _check_alive(self, sandbox_id: str, merged: Path) -> None:
+        if not os.path.ismount(merged):
+            raise errors.SandboxFailure(f"sandbox {sandbox_id!r} is gone (killed or its node restarted); "
+                                        "reopen the episode to restore it from its last checkpoint")
+
+    def kill(self, sandbox_id: str) -> int:
+        """Fault injection: SIGKILL every process inside the sandbox and tear its root down."""
+        merged = str(self._dir(sandbox_id) / "merged")
+        killed = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/root") == merged:
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed += 1
+            except OSError:
+                continue
+        try:
+            syscalls.umount(merged)
+        except OSError:
+            pass
+        return killed
 
     async def destroy(self, sandbox_id: str) -> None:
         base = self._dir(sandbox_id)

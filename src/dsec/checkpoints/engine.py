@@ -212,7 +212,12 @@ class EpisodeEngine:
             if live.dirty or live.sandbox_id is None:
                 await self._replace_sandbox(live)
             started = time.time()
-            res = await self.host.exec(live.sandbox_id, req)
+            try:
+                res = await self.host.exec(live.sandbox_id, req)
+            except BaseException:
+                # The sandbox may have died mid-command with partial effects: never reuse it.
+                live.dirty = True
+                raise
             rec = traj.StepRecord(step=n, command=req.cmd, cwd=req.cwd, env=req.env or None,
                                   stdin_sha256=_stdin_digest(req.stdin), timeout=req.timeout,
                                   exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
