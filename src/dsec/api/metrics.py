@@ -11,12 +11,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 # Buckets spanning a warm-pool hit (~ms) to a cold image pull (~tens of s).
 _CREATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 _EXEC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 _API_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
+
+
+class _ComponentCounters(Collector):
+    """Cumulative counters owned by other components, exported with counter semantics."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[str, str], float] = {}
+        self.leaks_reaped: float | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        cache = CounterMetricFamily("dsec_image_cache_events", "Image/layer cache hits and misses",
+                                    labels=["kind", "result"])
+        for (kind, result), v in sorted(self.cache.items()):
+            cache.add_metric([kind, result], v)
+        yield cache
+        leaks = CounterMetricFamily("dsec_leaks_reaped", "Leaked or expired sandboxes force-cleaned")
+        if self.leaks_reaped is not None:
+            leaks.add_metric([], self.leaks_reaped)
+        yield leaks
 
 
 class Metrics:
@@ -34,10 +57,8 @@ class Metrics:
         self.sandboxes = Gauge("dsec_sandboxes", "Live sandboxes by lifecycle state", ["state"], registry=r)
         self.api_seconds = Histogram("dsec_api_request_seconds", "API request latency",
                                      ["method", "route", "status"], buckets=_API_BUCKETS, registry=r)
-        self.image_cache = Gauge("dsec_image_cache_events", "Image/layer cache hits and misses (cumulative)",
-                                 ["kind", "result"], registry=r)
-        self.leaks_reaped = Gauge("dsec_leaks_reaped", "Leaked or expired sandboxes force-cleaned (cumulative)",
-                                  registry=r)
+        self.components = _ComponentCounters()
+        r.register(self.components)
         self.audit_records = Counter("dsec_audit_records", "Audit records written", registry=r)
         self.inflight_creates = Gauge("dsec_inflight_creates", "Sandbox creates in flight", registry=r)
 
@@ -54,10 +75,10 @@ class Metrics:
             for key, result in (("hits", "hit"), ("misses", "miss")):
                 v = stats.get(f"{kind}_cache_{key}")
                 if isinstance(v, int | float):
-                    self.image_cache.labels(kind=kind, result=result).set(v)
+                    self.components.cache[(kind, result)] = float(v)
         v = stats.get("leaks_reaped")
         if isinstance(v, int | float):
-            self.leaks_reaped.set(v)
+            self.components.leaks_reaped = float(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
