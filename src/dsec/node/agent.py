@@ -1,0 +1,219 @@
+"""LocalNodeAgent: the in-process NodeAgent (embedded default) over SandboxManager.
+
+Exec goes through the sandbox's own init agent over its host-only socket (container
+tier, ~1 ms) or through ``runsc exec`` + the agent's one-shot mode (gVisor tier).
+Files go through host-side openat2 on the sandbox root (``dsec.node.files``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dsec.config import Settings
+from dsec.errors import InvalidArgument
+from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+from dsec.models import SandboxState as S
+from dsec.node.api import ExecEvent, NodeCapacity
+from dsec.node.files import SandboxFS
+from dsec.node.manager import SandboxManager
+from dsec.runtime import agent_client as ac
+from dsec.runtime.oci import AGENT_PATH_IN_SANDBOX
+
+log = logging.getLogger("dsec.node")
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+class LocalNodeAgent:
+    def __init__(self, settings: Settings, images: Any | None = None, network: Any | None = None) -> None:
+        self.settings = settings
+        self.manager = SandboxManager(settings, images=images, network=network)
+        self.node_id = settings.host
+        self._reaper: asyncio.Task[None] | None = None
+
+    @property
+    def images(self) -> Any:
+        return self.manager.images
+
+    async def start(self) -> None:
+        if self.manager.network is not None:
+            await self.manager.network.start()
+        await self.manager.start()
+        if self.manager.network is not None:
+            await self.manager.network.reconcile(set(self.manager.live))
+        self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-reaper")
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self.manager.network is not None:
+            await self.manager.network.close()
+        self.manager.close()
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_s)
+            try:
+                await self.manager.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    def capacity(self) -> NodeCapacity:
+        m = self.manager
+        return NodeCapacity(node_id=self.node_id, cpu=m.cpu, memory=m.memory, disk=m.disk,
+                            max_sandboxes=self.settings.node_max_sandboxes, isolation=m.isolations)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
+                     pooled: bool = False, extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+        return await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
+                                         extra_lower_dirs=extra_lower_dirs)
+
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+        return await self.manager.claim(sandbox_id, spec, tenant)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self.manager.info(self.manager.get_record(sandbox_id))
+
+    async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]:
+        out = []
+        for rec in list(self.manager.live.values()):
+            i = rec.info
+            if tenant is not None and i.tenant != tenant:
+                continue
+            if labels and any(i.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(self.manager.info(rec))
+        return sorted(out, key=lambda i: i.created_at)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self.manager.destroy(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        if timeout <= 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout}", field="timeout")
+        return self.manager.set_timeout(sandbox_id, timeout)
+
+    # --- exec -----------------------------------------------------------------------
+
+    def _exec_params(self, sandbox_id: str, req: ExecRequest) -> tuple[Any, list[str], dict[str, str], str, float]:
+        rec = self.manager.live_record(sandbox_id)
+        env = {**rec.env, **(req.env or {})}
+        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        cwd = req.cwd or rec.workdir or "/"
+        timeout = req.timeout or self.settings.exec_default_timeout_s
+        return rec, req.argv(), env, cwd, timeout
+
+    @contextlib.contextmanager
+    def _active(self, sandbox_id: str):  # type: ignore[no-untyped-def]
+        ae = self.manager.active_execs
+        ae[sandbox_id] = ae.get(sandbox_id, 0) + 1
+        try:
+            yield
+        finally:
+            if sandbox_id in ae:
+                ae[sandbox_id] -= 1
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        rec, argv, env, cwd, timeout = self._exec_params(sandbox_id, req)
+        stdin = req.stdin.encode() if req.stdin is not None else None
+        if req.background:
+            pid = await self._background(sandbox_id, rec, argv, env, cwd)
+            return ExecResult(exit_code=0, pid=pid)
+        with self._active(sandbox_id):
+            if rec.info.isolation == "gvisor":
+                return await self._exec_gvisor(sandbox_id, argv, env, cwd, timeout, stdin)
+            out = await ac.agent_exec(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd,
+                                      timeout=timeout, stdin=stdin,
+                                      max_output=self.settings.max_exec_output_bytes)
+        return ExecResult(exit_code=out.exit_code, stdout=_decode(out.stdout), stderr=_decode(out.stderr),
+                          duration=out.duration, timed_out=out.timed_out, truncated=out.truncated)
+
+    async def _exec_gvisor(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str,
+                           timeout: float, stdin: bytes | None) -> ExecResult:
+        rt = self.manager.runtime("gvisor")
+        inner = [AGENT_PATH_IN_SANDBOX, "run", "--timeout-ms", str(int(timeout * 1000)), "--cwd", cwd, "--", *argv]
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            *rt.exec_argv(sandbox_id, inner, env, "/"), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate(stdin or b"")
+        code = proc.returncode if proc.returncode is not None else -1
+        limit = self.settings.max_exec_output_bytes
+        return ExecResult(exit_code=code, stdout=_decode(out[:limit]), stderr=_decode(err[:limit]),
+                          duration=time.perf_counter() - t0, timed_out=code == 124 and b"dsec-init: timeout" in err,
+                          truncated=len(out) > limit or len(err) > limit)
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        rec, argv, env, cwd, timeout = self._exec_params(sandbox_id, req)
+        if rec.info.isolation == "gvisor":
+            res = await self.exec(sandbox_id, req)
+            if res.stdout:
+                yield ExecEvent(kind="stdout", data=res.stdout)
+            if res.stderr:
+                yield ExecEvent(kind="stderr", data=res.stderr)
+            yield ExecEvent(kind="exit", result=res)
+            return
+        stdin = req.stdin.encode() if req.stdin is not None else None
+        with self._active(sandbox_id):
+            stream = ac.agent_exec_stream(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd,
+                                          timeout=timeout, stdin=stdin)
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if isinstance(item, ac.ExecOutcome):
+                        yield ExecEvent(kind="exit", result=ExecResult(
+                            exit_code=item.exit_code, duration=item.duration, timed_out=item.timed_out))
+                    else:
+                        kind, chunk = item
+                        yield ExecEvent(kind=kind, data=_decode(chunk))  # type: ignore[arg-type]
+
+    async def _background(self, sandbox_id: str, rec: Any, argv: list[str], env: dict[str, str], cwd: str) -> int:
+        if rec.info.isolation == "gvisor":
+            raise InvalidArgument("background processes are not supported on the gvisor tier yet; "
+                                  "use isolation='container' or run `nohup cmd &` in a shell")
+        return await ac.agent_background(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd)
+
+    async def processes(self, sandbox_id: str) -> list[BackgroundProcess]:
+        rec = self.manager.live_record(sandbox_id)
+        if rec.info.isolation == "gvisor":
+            return []
+        return await ac.agent_ps(self.manager.paths(sandbox_id).socket)
+
+    async def kill_process(self, sandbox_id: str, pid: int, signal: int = 9) -> None:
+        self.manager.live_record(sandbox_id)
+        await ac.agent_kill(self.manager.paths(sandbox_id).socket, pid, signal)
+
+    # --- files ----------------------------------------------------------------------
+
+    def _fs(self, sandbox_id: str) -> SandboxFS:
+        self.manager.live_record(sandbox_id)
+        return SandboxFS(str(self.manager.paths(sandbox_id).rootfs))
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await asyncio.to_thread(self._fs(sandbox_id).read, path, self.settings.max_upload_bytes)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        await asyncio.to_thread(self._fs(sandbox_id).write, path, data, mode)
+
+    async def list_files(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        return await asyncio.to_thread(self._fs(sandbox_id).list, path)
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await asyncio.to_thread(self._fs(sandbox_id).remove, path, recursive)
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar_bytes: bytes) -> None:
+        await asyncio.to_thread(self._fs(sandbox_id).upload_tar, path, tar_bytes)
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await asyncio.to_thread(self._fs(sandbox_id).download_tar, path, self.settings.max_upload_bytes)

@@ -1,0 +1,437 @@
+"""The node-local sandbox manager: create, adopt, destroy, and reconcile sandboxes.
+
+Order of every create: persist the record (state ``creating``) -> make resources
+(dir, tmpfs quota, overlay, network slot, runtime) -> wait for the exec agent ->
+persist ``ready``/``idle``. Destroy persists ``stopping`` first. Because every resource
+path is derived from the id, ``reconcile()`` after any crash (even SIGKILL mid-create)
+can adopt what is healthy and clean the rest, and then sweeps orphans nobody recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsec.config import Settings, parse_bytes
+from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
+from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
+from dsec.node import cgroups, syscalls
+from dsec.node.lifecycle import LIVE_STATES, check_transition, persisted
+from dsec.node.paths import SandboxPaths, sandbox_paths
+from dsec.node.records import RecordStore, SandboxRecord
+from dsec.node.resolve import resolve_spec
+from dsec.runtime.agent.local import listen_socket
+from dsec.runtime.agent_build import ensure_agent_binary
+from dsec.runtime.agent_client import agent_ping
+from dsec.runtime.oci import RuntimeSpec, build_config
+from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
+
+log = logging.getLogger("dsec.node")
+
+CGROUP_PARENT = "dsec"
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(6)
+
+
+def _meminfo_total() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class SandboxManager:
+    def __init__(self, settings: Settings, images: Any | None = None, network: Any | None = None) -> None:
+        from dsec.images import ImageStore, Snapshotter
+
+        self.settings = settings
+        self.home = settings.home
+        self.run_dir = settings.runtime_dir
+        self.images = images or ImageStore(settings.home / "images", settings)
+        self.snapshotter = Snapshotter(self.images)
+        self.network = network
+        self.records = RecordStore(settings.home / "node" / "sandboxes.db")
+        self.live: dict[str, SandboxRecord] = {}
+        self.active_execs: dict[str, int] = {}
+        self.runtimes: dict[str, OciRuntime] = {}
+        self.agent_binary: Path | None = None
+        self.counters: dict[str, int] = {"created": 0, "create_failed": 0, "destroyed": 0,
+                                         "reaped_ttl": 0, "reaped_dead": 0, "leaks_cleaned": 0, "adopted": 0}
+        self.on_state_change: list[Callable[[SandboxInfo], None]] = []
+        self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
+        self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
+        self.disk = parse_bytes(settings.node_disk) if settings.node_disk else shutil.disk_usage(
+            settings.home if settings.home.exists() else "/").free
+        self.isolations = [i for i, b in (("container", settings.runc_path), ("gvisor", settings.runsc_path))
+                           if shutil.which(b)]
+
+    # --- plumbing -----------------------------------------------------------------
+
+    def paths(self, sandbox_id: str) -> SandboxPaths:
+        return sandbox_paths(self.home, self.run_dir, sandbox_id)
+
+    def runtime(self, isolation: str) -> OciRuntime:
+        rt = self.runtimes.get(isolation)
+        if rt is None:
+            rt = make_runtime(isolation, self.settings.runc_path, self.settings.runsc_path,
+                              self.settings.runsc_platform, self.run_dir)
+            self.runtimes[isolation] = rt
+        return rt
+
+    def _set_state(self, rec: SandboxRecord, state: S, **changes: Any) -> None:
+        check_transition(rec.info.id, rec.info.state, state)
+        rec.info = rec.info.model_copy(update={"state": state, **changes})
+        if state in (S.ready, S.idle, S.creating, S.stopping, S.stopped, S.failed, S.destroyed):
+            self.records.put(rec.model_copy(update={"info": rec.info.model_copy(
+                update={"state": persisted(state)})}))
+        for cb in self.on_state_change:
+            cb(rec.info)
+
+    def get_record(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.live.get(sandbox_id)
+        if rec is not None:
+            return rec
+        rec = self.records.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id} not found; list yours with `dsec ps`", sandbox_id=sandbox_id)
+        return rec
+
+    def live_record(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get_record(sandbox_id)
+        if rec.info.state not in (S.idle, S.running, S.ready):
+            raise Conflict(f"sandbox {sandbox_id} is {rec.info.state.value}; create a new one",
+                           sandbox_id=sandbox_id, state=rec.info.state.value)
+        return rec
+
+    def info(self, rec: SandboxRecord) -> SandboxInfo:
+        if rec.info.state is S.idle and self.active_execs.get(rec.info.id):
+            return rec.info.model_copy(update={"state": S.running})
+        return rec.info
+
+    # --- start / stop -------------------------------------------------------------
+
+    async def start(self) -> None:
+        for d in (self.home / "sandboxes", self.run_dir / "s", self.home / "bin"):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir / "s", 0o700)
+        self.agent_binary = await asyncio.to_thread(ensure_agent_binary, self.home / "bin")
+        await self.reconcile()
+
+    def close(self) -> None:
+        self.records.close()
+
+    # --- create -------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
+                     pooled: bool = False, extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+        image = self.images.resolve(spec.image)
+        r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
+        if len(self.live) >= self.settings.node_max_sandboxes:
+            from dsec.errors import CapacityExhausted
+            raise CapacityExhausted(f"node holds {len(self.live)} sandboxes, its limit "
+                                    f"(DSEC_NODE_MAX_SANDBOXES={self.settings.node_max_sandboxes})",
+                                    retry_after=1.0)
+        sid = sandbox_id or new_sandbox_id()
+        now = time.time()
+        info = SandboxInfo(id=sid, state=S.creating, image=spec.image, image_id=image.id,
+                           isolation=r.isolation, cpu=r.cpu, memory=r.memory, disk=r.disk, pids=r.pids,
+                           timeout=r.timeout, network=spec.network, labels=spec.labels, tenant=tenant,
+                           node=self.settings.host, created_at=now)
+        rec = SandboxRecord(info=info, spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=CGROUP_PARENT)
+        self.records.put(rec)  # recorded before any resource exists
+        self.live[sid] = rec
+        t0 = time.perf_counter()
+        try:
+            await self._make(rec, extra_lower_dirs or [])
+        except BaseException as e:
+            self.counters["create_failed"] += 1
+            reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
+            log.warning("create %s failed: %s", sid, reason)
+            self._set_state(rec, S.failed, error=reason)
+            await self._teardown(rec)
+            if isinstance(e, DSecError):
+                raise
+            raise SandboxFailure(f"sandbox {sid} failed to start: {reason}", sandbox_id=sid) from e
+        self.counters["created"] += 1
+        log.debug("created %s in %.1f ms", sid, (time.perf_counter() - t0) * 1000)
+        self._set_state(rec, S.ready, pid=rec.info.pid)
+        if not pooled:
+            self._hand_out(rec, now=time.time())
+        return self.info(rec)
+
+    def _hand_out(self, rec: SandboxRecord, now: float) -> None:
+        """TTL starts when the user gets the sandbox, not when it was pre-created."""
+        self._set_state(rec, S.idle, pid=rec.info.pid, started_at=now, expires_at=now + rec.info.timeout)
+
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None) -> SandboxInfo:
+        """Hand a warm (ready) sandbox to a user with the request's env/labels/timeout."""
+        rec = self.get_record(sandbox_id)
+        if rec.info.state is not S.ready:
+            raise Conflict(f"sandbox {sandbox_id} is not a free pool member", sandbox_id=sandbox_id)
+        image = self.images.resolve(spec.image)
+        r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
+        rec.spec, rec.env, rec.workdir = spec, r.env, r.workdir
+        rec.info = rec.info.model_copy(update={"labels": spec.labels, "tenant": tenant, "timeout": r.timeout,
+                                               "network": spec.network})
+        if spec.network is not None and self.network is not None:
+            await self.network.update(sandbox_id, spec.network)
+        self._hand_out(rec, now=time.time())
+        return self.info(rec)
+
+    async def _make(self, rec: SandboxRecord, extra_lower_dirs: list[Path]) -> None:
+        info = rec.info
+        p = self.paths(info.id)
+        p.base.mkdir(parents=True)
+        p.scratch.mkdir()
+        p.rootfs.mkdir()
+        # The writable layer lives on a tmpfs sized to the disk quota: a full disk is
+        # ENOSPC inside this sandbox only, and its pages count against its memory cgroup.
+        syscalls.mount_tmpfs(str(p.scratch), info.disk, mode=0o700)
+        mounts = self.snapshotter.prepare(info.id, rec.spec.image, p.scratch, extra_lower_dirs)
+        syscalls.mount_overlay(str(p.rootfs), mounts.lower_dirs, mounts.upper_dir, mounts.work_dir)
+        netns = None
+        if info.network is not None:
+            if self.network is None:
+                raise SandboxFailure("network allow-lists need the network manager, which is not running "
+                                     "on this node", sandbox_id=info.id)
+            att = await self.network.attach(info.id, info.network)
+            netns = att.netns_path
+            self._write_hosts(p, att.hosts)
+        assert self.agent_binary is not None
+        spec = RuntimeSpec(sandbox_id=info.id, rootfs=str(p.rootfs), agent_binary=str(self.agent_binary),
+                           cpu=info.cpu, memory=info.memory, pids=info.pids,
+                           nofile=min(self.settings.default_nofile, _hard_nofile()), hostname=info.id,
+                           env=rec.env, netns_path=netns, cgroup_parent=CGROUP_PARENT)
+        config = build_config(spec)
+        if info.isolation == "gvisor":
+            cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
+            config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
+        p.config.write_text(json.dumps(config))
+        sock = listen_socket(p.socket)
+        try:
+            pid = await self.runtime(info.isolation).run(info.id, p.bundle, sock.fileno(), p.log)
+        finally:
+            sock.close()  # the sandbox's init holds the listening end now
+        rec.info = rec.info.model_copy(update={"pid": pid})
+        if info.isolation == "gvisor":
+            for gpid in _gvisor_pids(info.id, pid):
+                cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
+        if not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
+            raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
+                                 f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
+                                 sandbox_id=info.id)
+
+    def _write_hosts(self, p: SandboxPaths, hosts: dict[str, list[str]]) -> None:
+        if not hosts:
+            return
+        from dsec.node.files import SandboxFS
+        fs = SandboxFS(str(p.rootfs))
+        lines = ["127.0.0.1 localhost"] + [f"{ip} {name}" for name, ips in hosts.items() for ip in ips]
+        fs.write("/etc/hosts", ("\n".join(lines) + "\n").encode())
+
+    # --- destroy ------------------------------------------------------------------
+
+    async def destroy(self, sandbox_id: str, reason: str = "killed") -> None:
+        rec = self.get_record(sandbox_id)
+        if rec.info.state in (S.stopped, S.destroyed):
+            return
+        if rec.info.state is not S.stopping:
+            self._set_state(rec, S.stopping, error=rec.info.error or (None if reason == "killed" else reason))
+        await self._teardown(rec)
+        self.counters["destroyed"] += 1
+
+    async def _teardown(self, rec: SandboxRecord) -> None:
+        """Release everything derived from the id; idempotent, safe on half-made sandboxes."""
+        sid = rec.info.id
+        p = self.paths(sid)
+        if rec.info.state is S.failed:
+            self._set_state(rec, S.stopping)
+        try:
+            pid = rec.info.pid or _read_pid(p.bundle / "init.pid")
+            if pid and _is_sandbox_init(pid, sid, rec.info.isolation):
+                kill_pid(pid)
+                await asyncio.to_thread(wait_gone, pid, 5.0)
+            rt = self.runtime(rec.info.isolation)
+            if rt.state_dir(sid).exists():
+                await rt.delete(sid, p.log if p.base.exists() else Path(os.devnull))
+            await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
+            if self.network is not None:
+                await self.network.detach(sid)
+            for mp in syscalls.mounts_under(str(p.base)):
+                syscalls.umount(mp)
+            self.snapshotter.release(sid)
+            p.socket.unlink(missing_ok=True)
+            if p.base.exists():
+                await asyncio.to_thread(shutil.rmtree, p.base)
+        except Exception as e:
+            log.exception("cleanup of %s failed", sid)
+            self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
+            raise SandboxFailure(f"cleanup of sandbox {sid} failed: {e}; the reconciler will retry",
+                                 sandbox_id=sid) from e
+        self.live.pop(sid, None)
+        self.active_execs.pop(sid, None)
+        self._set_state(rec, S.stopped, pid=None)
+
+    # --- reconcile ----------------------------------------------------------------
+
+    async def reconcile(self) -> dict[str, int]:
+        """Adopt healthy recorded sandboxes; clean half-made, dead and orphaned ones."""
+        adopted = cleaned = 0
+        known: set[str] = set()
+        for rec in self.records.all():
+            sid = rec.info.id
+            known.add(sid)
+            st = rec.info.state
+            if st in (S.stopped, S.destroyed):
+                continue
+            if st in (S.ready, S.idle) and await self._healthy(rec):
+                self.live[sid] = rec
+                adopted += 1
+                continue
+            self.live[sid] = rec
+            if st in (S.ready, S.idle, S.creating):
+                self._set_state(rec, S.stopping, error=rec.info.error or "found dead or half-made at restart")
+            await self._teardown(rec)
+            cleaned += 1
+        cleaned += await self._sweep_orphans(known)
+        self.counters["adopted"] += adopted
+        self.counters["leaks_cleaned"] += cleaned
+        return {"adopted": adopted, "cleaned": cleaned}
+
+    async def _healthy(self, rec: SandboxRecord) -> bool:
+        pid = rec.info.pid
+        if not pid or not _is_sandbox_init(pid, rec.info.id, rec.info.isolation):
+            return False
+        return await agent_ping(self.paths(rec.info.id).socket, self.settings.agent_connect_timeout_s)
+
+    async def _sweep_orphans(self, known: set[str]) -> int:
+        """Resources with a sandbox-id name but no record (crash before the record, or a
+        record lost with its database): runtime state, cgroups, mounts, dirs, sockets."""
+        live = set(self.live)
+        found: set[str] = set()
+        for iso in self.isolations:
+            found.update(i for i in self.runtime(iso).list_ids() if i not in live)
+        found.update(i for i in cgroups.all_sandbox_cgroup_ids(CGROUP_PARENT) if i not in live)
+        base = self.home / "sandboxes"
+        if base.is_dir():
+            found.update(d.name for d in base.iterdir() if d.name not in live)
+        sock_dir = self.run_dir / "s"
+        if sock_dir.is_dir():
+            found.update(s.stem for s in sock_dir.glob("*.sock") if s.stem not in live)
+        for sid in found:
+            for iso in self.isolations:
+                rt = self.runtime(iso)
+                pid = _read_pid(self.paths(sid).bundle / "init.pid")
+                if pid and _is_sandbox_init(pid, sid, iso):
+                    kill_pid(pid)
+                    await asyncio.to_thread(wait_gone, pid, 5.0)
+                if rt.state_dir(sid).exists():
+                    await rt.delete(sid, Path(os.devnull))
+            await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
+            p = self.paths(sid)
+            for mp in syscalls.mounts_under(str(p.base)):
+                syscalls.umount(mp)
+            self.snapshotter.release(sid)
+            if self.network is not None:
+                await self.network.detach(sid)
+            p.socket.unlink(missing_ok=True)
+            shutil.rmtree(p.base, ignore_errors=True)
+        return len(found)
+
+    # --- TTL and liveness ---------------------------------------------------------
+
+    async def reap_once(self, now: float | None = None) -> int:
+        """Destroy sandboxes past their TTL or whose init died. Returns how many."""
+        now = now or time.time()
+        reaped = 0
+        for rec in list(self.live.values()):
+            st = rec.info.state
+            if st not in (S.idle, S.ready):
+                continue
+            if rec.info.expires_at and rec.info.expires_at <= now:
+                reason, key = "TTL expired", "reaped_ttl"
+            elif not pid_alive(rec.info.pid):
+                reason, key = "sandbox init died", "reaped_dead"
+            else:
+                continue
+            try:
+                await self.destroy(rec.info.id, reason=reason)
+                self.counters[key] += 1
+                reaped += 1
+            except DSecError:
+                log.exception("reaping %s failed", rec.info.id)
+        self.records.purge_retired(now - self.settings.audit_retention_s)
+        return reaped
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        rec = self.live_record(sandbox_id)
+        start = rec.info.started_at or time.time()
+        rec.info = rec.info.model_copy(update={"timeout": timeout, "expires_at": start + timeout})
+        self.records.put(rec)
+        return self.info(rec)
+
+    # --- checkpoint hooks ---------------------------------------------------------
+
+    def upper_dir(self, sandbox_id: str) -> Path:
+        self.live_record(sandbox_id)
+        return self.paths(sandbox_id).upper
+
+    async def freeze(self, sandbox_id: str) -> None:
+        self.live_record(sandbox_id)
+        await asyncio.to_thread(cgroups.set_frozen, CGROUP_PARENT, sandbox_id, True)
+
+    async def thaw(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(cgroups.set_frozen, CGROUP_PARENT, sandbox_id, False)
+
+
+def _hard_nofile() -> int:
+    import resource
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_sandbox_init(pid: int, sandbox_id: str, isolation: str) -> bool:
+    """Guard against PID reuse: the process must belong to this sandbox."""
+    try:
+        if isolation == "gvisor":
+            return sandbox_id.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return f"/{CGROUP_PARENT}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+def _gvisor_pids(sandbox_id: str, pid: int) -> list[int]:
+    """The runsc sandbox and gofer processes of a sandbox (those carry its id in argv)."""
+    pids = [pid]
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != pid:
+            try:
+                if sandbox_id.encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _tail(path: Path, n: int = 800) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,171 @@
+"""Drivers for OCI runtimes: runc (container tier) and runsc (gVisor tier).
+
+The runtime is started with ``posix_spawn`` so the agent's listening socket lands on
+fd 3 (``--preserve-fds 1``) without a fork-unsafe ``preexec_fn`` in our threaded
+server. Destroy avoids ``runc delete -f`` (which polls ~100 ms for the process to die):
+we SIGKILL the sandbox's init by PID — the kernel then kills its whole pid namespace —
+wait on a pidfd, then ``delete`` the already-dead container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.errors import SandboxFailure
+
+
+@dataclass
+class RuntimeResult:
+    returncode: int
+    output: str
+
+
+async def _wait_pid(pid: int) -> int:
+    """Wait for a child spawned by us without a child watcher (pidfd + waitpid)."""
+    pidfd = os.pidfd_open(pid)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+async def spawn(argv: list[str], log_path: Path, fds: dict[int, int] | None = None) -> RuntimeResult:
+    """Run ``argv`` with stdout/stderr to ``log_path`` and ``fds`` (child_fd -> our_fd) placed."""
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        actions: list[tuple[int, int, int]] = [
+            (os.POSIX_SPAWN_DUP2, null_fd, 0), (os.POSIX_SPAWN_DUP2, log_fd, 1), (os.POSIX_SPAWN_DUP2, log_fd, 2)]
+        actions += [(os.POSIX_SPAWN_DUP2, ours, child) for child, ours in (fds or {}).items()]
+        try:
+            pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+        except FileNotFoundError:
+            raise SandboxFailure(f"{argv[0]} not found: run scripts/setup.sh to install it") from None
+    finally:
+        os.close(log_fd)
+        os.close(null_fd)
+    rc = await _wait_pid(pid)
+    return RuntimeResult(rc, "")
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+def _runc_error(log_path: Path) -> str:
+    """runc logs JSON lines with --log-format json; pull out the messages."""
+    msgs = []
+    for line in _tail(log_path, 4000).splitlines():
+        try:
+            msgs.append(json.loads(line).get("msg", line))
+        except ValueError:
+            msgs.append(line)
+    return "; ".join(msgs[-3:])
+
+
+@dataclass
+class OciRuntime:
+    """One OCI runtime binary with its own state root (so ``list`` shows only ours)."""
+
+    binary: str
+    state_root: Path
+    extra_global_args: list[str] = field(default_factory=list)
+    name: str = "runc"
+
+    def _base(self) -> list[str]:
+        return [self.binary, "--root", str(self.state_root), *self.extra_global_args]
+
+    async def run(self, sandbox_id: str, bundle: Path, listen_fd: int, log_path: Path) -> int:
+        """Create and start the container detached; return the host PID of its init."""
+        self.state_root.mkdir(parents=True, exist_ok=True)
+        pid_file = bundle / "init.pid"
+        argv = [*self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
+                "--bundle", str(bundle), sandbox_id]
+        res = await spawn(argv, log_path, {3: listen_fd})
+        if res.returncode != 0:
+            raise SandboxFailure(f"{self.name} failed to start sandbox {sandbox_id}: "
+                                 f"{_runc_error(log_path) or 'exit ' + str(res.returncode)}",
+                                 sandbox_id=sandbox_id)
+        return int(pid_file.read_text().strip())
+
+    async def delete(self, sandbox_id: str, log_path: Path) -> None:
+        """Remove a stopped container's runtime state and cgroups (force if still alive)."""
+        await spawn([*self._base(), "delete", "--force", sandbox_id], log_path)
+
+    def state_dir(self, sandbox_id: str) -> Path:
+        return self.state_root / sandbox_id
+
+    def list_ids(self) -> list[str]:
+        if not self.state_root.is_dir():
+            return []
+        return [p.name for p in self.state_root.iterdir() if p.is_dir()]
+
+    def exec_argv(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
+        """argv that runs a command through the runtime's own exec (gVisor path / fallback)."""
+        args = [*self._base(), "exec", "--cwd", cwd]
+        for k, v in env.items():
+            args += ["--env", f"{k}={v}"]
+        return [*args, sandbox_id, *argv]
+
+
+def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str, state_base: Path) -> OciRuntime:
+    if isolation == "container":
+        return OciRuntime(runc_path, state_base / "runc", ["--log-format", "json"], name="runc")
+    if isolation == "gvisor":
+        # --ignore-cgroups: runsc cannot drive hybrid cgroups here; limits are applied from
+        # the host (see dsec.node.cgroups). file-access=shared: host-side file API writes
+        # must be visible inside without gVisor's exclusive dentry cache.
+        return OciRuntime(runsc_path, state_base / "runsc",
+                          ["--ignore-cgroups", f"--platform={platform}", "--file-access=shared",
+                           "--overlay2=none", "--network=sandbox"], name="runsc")
+    raise ValueError(f"unknown isolation {isolation!r}")
+
+
+def kill_pid(pid: int) -> bool:
+    """SIGKILL a sandbox init; return False when it was already gone."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Block until ``pid`` (not necessarily our child) exits; True when it did."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        r, _, _ = select.select([pidfd], [], [], timeout)
+        return bool(r)
+    finally:
+        os.close(pidfd)
+
+
+def pid_alive(pid: int | None, start_marker: str | None = None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
