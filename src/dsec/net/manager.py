@@ -110,13 +110,14 @@ class NetworkManager:
             self._owner[idx] = sandbox_id
             self._slot_of[sandbox_id] = idx
             self._events[sandbox_id] = collections.deque(maxlen=self.settings.net_denied_log_max)
-            self._wake.set()
             try:
                 await asyncio.to_thread(self.ops.install_allow, idx, sandbox_id, entries, rules)
             except BaseException:
                 await asyncio.to_thread(self.ops.destroy, idx)
                 self._owner.pop(idx, None)
                 raise
+            finally:
+                self._wake.set()  # refill after our transaction, not competing with it
         except BaseException:
             self._slot_of.pop(sandbox_id, None)
             self._events.pop(sandbox_id, None)

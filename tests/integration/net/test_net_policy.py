@@ -11,7 +11,7 @@ import pytest
 
 from dsec.errors import InvalidArgument
 
-from .conftest import Lab, tcp_probe
+from netlab import Lab, tcp_probe
 
 pytestmark = pytest.mark.integration
 

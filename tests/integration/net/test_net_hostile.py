@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from .conftest import Lab, netns_exec, tcp_probe
+from netlab import Lab, netns_exec, tcp_probe
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from dsec.config import Settings
 from dsec.net import NetworkManager
 from dsec.net.faults import ENV, POINTS
 
-from .conftest import Lab, netns_exec, tcp_probe
+from netlab import Lab, netns_exec, tcp_probe
 
 pytestmark = pytest.mark.integration
 
