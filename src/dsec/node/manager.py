@@ -218,16 +218,21 @@ class SandboxManager:
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
         p.config.write_text(json.dumps(config))
-        sock = listen_socket(p.socket)
-        try:
-            pid = await self.runtime(info.isolation).run(info.id, p.bundle, sock.fileno(), p.log)
-        finally:
-            sock.close()  # the sandbox's init holds the listening end now
+        if info.isolation == "gvisor":
+            # network=None: gVisor's own netstack with loopback only; else the slot's netns.
+            net_flag = "--network=sandbox" if netns else "--network=none"
+            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,))
+        else:
+            sock = listen_socket(p.socket)
+            try:
+                pid = await self.runtime(info.isolation).run(info.id, p.bundle, sock.fileno(), p.log)
+            finally:
+                sock.close()  # the sandbox's init holds the listening end now
         rec.info = rec.info.model_copy(update={"pid": pid})
         if info.isolation == "gvisor":
             for gpid in _gvisor_pids(info.id, pid):
                 cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
-        if not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
+        if info.isolation != "gvisor" and not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
             raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
                                  f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
                                  sandbox_id=info.id)
@@ -262,10 +267,10 @@ class SandboxManager:
             if pid and _is_sandbox_init(pid, sid, rec.info.isolation):
                 kill_pid(pid)
                 await asyncio.to_thread(wait_gone, pid, 5.0)
-            rt = self.runtime(rec.info.isolation)
-            if rt.state_dir(sid).exists():
-                await rt.delete(sid, p.log if p.base.exists() else Path(os.devnull))
             await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
+            rt = self.runtime(rec.info.isolation)
+            if rt.has_state(sid):
+                await rt.delete(sid, p.log if p.base.exists() else Path(os.devnull))
             if self.network is not None:
                 await self.network.detach(sid)
             for mp in syscalls.mounts_under(str(p.base)):
@@ -313,6 +318,8 @@ class SandboxManager:
         pid = rec.info.pid
         if not pid or not _is_sandbox_init(pid, rec.info.id, rec.info.isolation):
             return False
+        if rec.info.isolation == "gvisor":
+            return True
         return await agent_ping(self.paths(rec.info.id).socket, self.settings.agent_connect_timeout_s)
 
     async def _sweep_orphans(self, known: set[str]) -> int:
@@ -336,7 +343,7 @@ class SandboxManager:
                 if pid and _is_sandbox_init(pid, sid, iso):
                     kill_pid(pid)
                     await asyncio.to_thread(wait_gone, pid, 5.0)
-                if rt.state_dir(sid).exists():
+                if rt.has_state(sid):
                     await rt.delete(sid, Path(os.devnull))
             await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
             p = self.paths(sid)

@@ -91,13 +91,19 @@ class OciRuntime:
     def _base(self) -> list[str]:
         return [self.binary, "--root", str(self.state_root), *self.extra_global_args]
 
-    async def run(self, sandbox_id: str, bundle: Path, listen_fd: int, log_path: Path) -> int:
-        """Create and start the container detached; return the host PID of its init."""
+    async def run(self, sandbox_id: str, bundle: Path, listen_fd: int | None, log_path: Path,
+                  run_global_args: tuple[str, ...] = ()) -> int:
+        """Create and start the container detached; return the host PID of its init.
+
+        With ``listen_fd`` the exec agent's listening socket is handed to the sandbox's
+        init as fd 3 (runc only: runsc has no --preserve-fds and uses ``runsc exec``).
+        """
         self.state_root.mkdir(parents=True, exist_ok=True)
         pid_file = bundle / "init.pid"
-        argv = [*self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
+        fds = ["--preserve-fds", "1"] if listen_fd is not None else []
+        argv = [*self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
                 "--bundle", str(bundle), sandbox_id]
-        res = await spawn(argv, log_path, {3: listen_fd})
+        res = await spawn(argv, log_path, {3: listen_fd} if listen_fd is not None else None)
         if res.returncode != 0:
             raise SandboxFailure(f"{self.name} failed to start sandbox {sandbox_id}: "
                                  f"{_runc_error(log_path) or 'exit ' + str(res.returncode)}",
@@ -105,16 +111,32 @@ class OciRuntime:
         return int(pid_file.read_text().strip())
 
     async def delete(self, sandbox_id: str, log_path: Path) -> None:
-        """Remove a stopped container's runtime state and cgroups (force if still alive)."""
+        """Remove a stopped container's runtime state and cgroups (force if still alive).
+
+        runsc's ``delete`` waits ~2 s on a sandbox we already killed; its state is two
+        files, so once the processes are gone (the caller killed its cgroup) we drop them.
+        """
+        if self.name == "runsc":
+            for p in self.state_root.glob(f"*_sandbox:{sandbox_id}.*"):
+                p.unlink(missing_ok=True)
+            return
         await spawn([*self._base(), "delete", "--force", sandbox_id], log_path)
 
-    def state_dir(self, sandbox_id: str) -> Path:
-        return self.state_root / sandbox_id
+    def has_state(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.list_ids()
 
     def list_ids(self) -> list[str]:
+        """Containers with runtime state: runc keeps a dir per id, runsc keeps
+        ``<sandbox>_sandbox:<container>.state`` files."""
         if not self.state_root.is_dir():
             return []
-        return [p.name for p in self.state_root.iterdir() if p.is_dir()]
+        ids = set()
+        for p in self.state_root.iterdir():
+            if p.is_dir():
+                ids.add(p.name)
+            elif p.name.endswith(".state") and "_sandbox:" in p.name:
+                ids.add(p.name.removesuffix(".state").split("_sandbox:", 1)[1])
+        return sorted(ids)
 
     def exec_argv(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
         """argv that runs a command through the runtime's own exec (gVisor path / fallback)."""
@@ -133,7 +155,7 @@ def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str,
         # must be visible inside without gVisor's exclusive dentry cache.
         return OciRuntime(runsc_path, state_base / "runsc",
                           ["--ignore-cgroups", f"--platform={platform}", "--file-access=shared",
-                           "--overlay2=none", "--network=sandbox"], name="runsc")
+                           "--overlay2=none"], name="runsc")
     raise ValueError(f"unknown isolation {isolation!r}")
 
 
