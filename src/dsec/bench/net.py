@@ -15,9 +15,10 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dsec.config import Settings
 from dsec.net import NetworkManager

@@ -4,4 +4,4 @@ allow-lists enforced by nftables in the host namespace. See docs/network.md."""
 from dsec.net.manager import NetworkManager
 from dsec.net.models import DeniedAttempt, NetAttachment
 
-__all__ = ["NetworkManager", "NetAttachment", "DeniedAttempt"]
+__all__ = ["DeniedAttempt", "NetAttachment", "NetworkManager"]

@@ -29,7 +29,7 @@ from dsec.net.slots import SlotOps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NetworkManager", "NetAttachment", "DeniedAttempt"]
+__all__ = ["DeniedAttempt", "NetAttachment", "NetworkManager"]
 
 
 class NetworkManager:
@@ -83,8 +83,10 @@ class NetworkManager:
             self._fill_task.cancel()
             try:
                 await self._fill_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except asyncio.CancelledError:
                 pass
+            except Exception:
+                log.debug("pool filler ended with an error", exc_info=True)
         if self._nflog:
             asyncio.get_running_loop().remove_reader(self._nflog.fileno())
             self._nflog.close()
@@ -203,7 +205,7 @@ class NetworkManager:
                 backoff = 0.1
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep the pool alive; attach builds inline
+            except Exception:
                 log.exception("building a network slot failed; retrying in %.1fs", backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

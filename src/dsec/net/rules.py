@@ -25,6 +25,7 @@ the host's other traffic and other tables are never affected.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 from dataclasses import dataclass
 
 from dsec.net.alloc import PREFIX, SlotAddr, SlotNames
@@ -166,7 +167,7 @@ def port_elements(rules: list[AllowRule]) -> list[tuple[int, int, int, int]]:
     out: list[tuple[int, int, int, int]] = []
     prev: tuple[int, int, tuple[tuple[int, int], ...]] | None = None
     segments: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         ports = _merge_ranges([pr for lo, hi, pr in boxes if lo <= a and b - 1 <= hi and pr])
         if not ports:
             continue

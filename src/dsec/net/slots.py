@@ -99,7 +99,7 @@ class SlotOps:
         except BaseException:
             try:
                 self.destroy(index, inventory=self.inventory())
-            except Exception:  # noqa: BLE001 - the original error matters more
+            except Exception:
                 log.exception("cleanup of half-built network slot %d failed", index)
             raise
 

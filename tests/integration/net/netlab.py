@@ -141,7 +141,7 @@ def lab() -> Iterator[Lab]:
 
 def netns_exec(att: NetAttachment, argv: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:
     """Run ``argv`` as root inside the sandbox's network namespace."""
-    return subprocess.run(["nsenter", f"--net={att.netns_path}", *argv], capture_output=True,
+    return subprocess.run(["nsenter", f"--net={att.netns_path}", *argv], check=False, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -11,7 +11,6 @@ import time
 import uuid
 
 import pytest
-
 from netlab import Lab, netns_exec, tcp_probe
 
 pytestmark = pytest.mark.integration
@@ -122,7 +121,7 @@ def test_arp_and_mac_spoofing(lab: Lab, pair) -> None:
     assert _root(attacker, "python3", "-c", code).returncode == 0
     time.sleep(0.2)
     assert _spoof_drops(lab, "arp", "in") >= before + 2  # both lies dropped by the host-side rule
-    neigh = subprocess.run(["ip", "neigh", "show", victim.address], capture_output=True, text=True).stdout
+    neigh = subprocess.run(["ip", "neigh", "show", victim.address], check=False, capture_output=True, text=True).stdout
     assert attacker.mac not in neigh and attacker.host_if not in neigh
     assert tcp_probe(netns_exec, victim, lab.a.addr, 8001)
     _root(attacker, "ip", "link", "set", "eth0", "address", victim.mac)

@@ -8,10 +8,9 @@ import time
 import uuid
 
 import pytest
+from netlab import Lab, tcp_probe
 
 from dsec.errors import InvalidArgument
-
-from netlab import Lab, tcp_probe
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from netlab import Lab, netns_exec, tcp_probe
 
 from dsec.config import Settings
 from dsec.net import NetworkManager
 from dsec.net.faults import ENV, POINTS
-
-from netlab import Lab, netns_exec, tcp_probe
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +54,7 @@ def _run_child(home: Path, cidr: str, mode: str, allow: str, fault: str | None) 
     env = dict(os.environ)
     if fault:
         env[ENV] = fault
-    return subprocess.run([sys.executable, "-c", CHILD, str(home), cidr, mode, allow], env=env,
+    return subprocess.run([sys.executable, "-c", CHILD, str(home), cidr, mode, allow], env=env, check=False,
                           timeout=60).returncode
 
 
@@ -81,7 +80,7 @@ def test_kill_at_fault_point_then_reconcile(lab: Lab, crash_home: Path, point: s
     finally:
         loop.run_until_complete(mgr.close())
         loop.close()
-    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    tables = subprocess.run(["nft", "list", "tables"], check=False, capture_output=True, text=True).stdout
     assert f"dsec_{mgr_tag(crash_home)}" not in tables
 
 
