@@ -62,6 +62,7 @@ class SchedulerDriver:
         self.usage_probe = usage_probe
         self.clock = clock
         self._waiters: dict[str, asyncio.Future[SandboxInfo]] = {}
+        self._sids: dict[str, str] = {}  # request id -> sandbox id chosen by the caller
         self._sems: dict[str, asyncio.Semaphore] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -92,7 +93,7 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
-               task_type: str | None = None) -> Ticket:
+               task_type: str | None = None, sandbox_id: str | None = None) -> Ticket:
         """Queue a create; raises InvalidArgument / QuotaExceeded / Overloaded (429 + retry_after)."""
         if spec.image not in self.sched.images:
             layers, version = (self.image_resolver(spec.image) if self.image_resolver
@@ -102,6 +103,8 @@ class SchedulerDriver:
         t = self.sched.submit(req, self.clock())
         if t.state in ("queued", "placed") and request_id not in self._waiters:
             self._waiters[request_id] = asyncio.get_running_loop().create_future()
+            if sandbox_id is not None:
+                self._sids[request_id] = sandbox_id
         self._wake.set()
         return t
 
@@ -126,7 +129,7 @@ class SchedulerDriver:
         pool member is handed over); callers must use ``info.id``.
         """
         rid = f"{tenant}/{spec.request_id}" if spec.request_id else sandbox_id
-        self.submit(spec, tenant, rid)
+        self.submit(spec, tenant, rid, sandbox_id=sandbox_id)
         return await self.wait(rid, self.s.client_timeout_s)
 
     async def release(self, sandbox_id: str) -> None:
@@ -222,7 +225,8 @@ class SchedulerDriver:
         else:
             spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
         async with self._sem(p.node_id):
-            info = await agent.create(spec, tenant=None if p.kind == "pool" else req.tenant)
+            info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
+                                      tenant=None if p.kind == "pool" else req.tenant)
         now = self.clock()
         img = self.sched.images.get(req.image)
         if img is not None:
@@ -234,12 +238,14 @@ class SchedulerDriver:
     def _failed(self, request_id: str, error: str, retriable: bool) -> None:
         t = self.sched.on_failed(request_id, self.clock(), error, retriable=retriable)
         if t is not None and t.state == "failed":
+            self._sids.pop(request_id, None)
             fut = self._waiters.pop(request_id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(SandboxFailure(f"request {request_id!r} failed: {t.error}"))
         self._wake.set()
 
     def _resolve(self, request_id: str, info: SandboxInfo) -> None:
+        self._sids.pop(request_id, None)
         fut = self._waiters.pop(request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(info)

@@ -263,6 +263,11 @@ class Scheduler:
                 return self._commit_warm(req, taken, now)
             self.stats["warm_misses"] += 1
         choice = self.policy.choose(req, image, self.cluster, self.rng)
+        if choice is None and req.excluded:
+            # Retry elsewhere when possible; with no other node (a 1-node server) the same
+            # node is better than waiting forever.
+            req.excluded.clear()
+            choice = self.policy.choose(req, image, self.cluster, self.rng)
         evict: list[Running] = []
         if choice is None:
             nl = self.cluster.node_list

@@ -1,0 +1,139 @@
+"""The async driver's own logic (batching, retry on another node, warm hand-over, reaping,
+release) against an in-memory NodeAgent.
+
+The in-memory agent implements only what the driver calls (capacity/create/destroy/
+set_timeout/get); the real LocalNodeAgent needs root and lives in another component, so
+an integration test with it belongs in tests/integration once it exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dsec.control.driver import POOL_LABEL, SchedulerDriver
+from dsec.control.scheduler import Scheduler
+from dsec.errors import SandboxFailure, TransientError
+from dsec.models import SandboxInfo, SandboxSpec, SandboxState
+from dsec.node.api import NodeCapacity
+
+from .helpers import GIB, settings
+
+
+class MemAgent:
+    def __init__(self, node_id: str, fail_creates: int = 0) -> None:
+        self.node_id = node_id
+        self.fail_creates = fail_creates
+        self.sandboxes: dict[str, SandboxInfo] = {}
+        self.destroyed: list[str] = []
+        self.n = 0
+
+    def capacity(self) -> NodeCapacity:
+        return NodeCapacity(node_id=self.node_id, cpu=8, memory=32 * GIB, disk=200 * GIB, max_sandboxes=100,
+                            isolation=["container"])
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
+                     tenant: str | None = None) -> SandboxInfo:
+        await asyncio.sleep(0.01)
+        if self.fail_creates:
+            self.fail_creates -= 1
+            raise TransientError(f"{self.node_id}: injected create failure")
+        self.n += 1
+        sid = sandbox_id or f"{self.node_id}-sb{self.n}"
+        info = SandboxInfo(id=sid, state=SandboxState.ready, image=spec.image, cpu=spec.cpu or 1,
+                           memory=int(spec.memory or GIB), disk=int(spec.disk or GIB), pids=64,
+                           timeout=spec.timeout or 60, labels=spec.labels, tenant=tenant, node=self.node_id,
+                           created_at=time.time())
+        self.sandboxes[sid] = info
+        return info
+
+    async def destroy(self, sandbox_id: str) -> None:
+        self.sandboxes.pop(sandbox_id, None)
+        self.destroyed.append(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        info = self.sandboxes[sandbox_id]
+        info.timeout, info.started_at = timeout, time.time()
+        return info
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self.sandboxes[sandbox_id]
+
+
+def spec(**kw: object) -> SandboxSpec:
+    return SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G", **kw)  # type: ignore[arg-type]
+
+
+async def _driver(agents: list[MemAgent], pools: bool = False, **kw: object) -> SchedulerDriver:
+    s = settings(batch_window_s=0.01, retry_backoff_s=0.01, reaper_interval_s=0.02, **kw)
+    d = SchedulerDriver(Scheduler(s, pools=pools), {a.node_id: a for a in agents}, s)
+    await d.start()
+    return d
+
+
+async def test_create_via_creator_seam_and_idempotent() -> None:
+    """create() places on a node and returns its info; the same request id returns the same sandbox."""
+    a = MemAgent("n0")
+    d = await _driver([a])
+    try:
+        info = await d.create(spec(request_id="job-1"), "sb-x", "t1")
+        again = await d.create(spec(request_id="job-1"), "sb-y", "t1")
+        assert info.id == again.id == "sb-x" and len(a.sandboxes) == 1
+    finally:
+        await d.close()
+
+
+async def test_failed_create_retried_on_other_node() -> None:
+    """A create failing on one node is retried on the other and succeeds."""
+    bad, good = MemAgent("n0", fail_creates=10), MemAgent("n1")
+    d = await _driver([bad, good], retry_max_attempts=3)
+    try:
+        infos = await asyncio.gather(*(d.create(spec(), f"sb-{i}", "t1") for i in range(4)))
+        assert {i.node for i in infos} == {"n1"}
+    finally:
+        await d.close()
+
+
+async def test_fails_cleanly_after_attempts() -> None:
+    """When every node fails, the caller gets SandboxFailure naming the attempts."""
+    d = await _driver([MemAgent("n0", fail_creates=99)], retry_max_attempts=2)
+    try:
+        with pytest.raises(SandboxFailure, match="2 attempts"):
+            await d.create(spec(), "sb-1", "t1")
+        assert d.sched.cluster.nodes["n0"].used_cpu == 0
+    finally:
+        await d.close()
+
+
+async def test_warm_pool_hand_over_and_reaper() -> None:
+    """A pool member built for the shape is handed over (TTL set then); TTL expiry reaps it."""
+    a = MemAgent("n0")
+    d = await _driver([a], pools=True)
+    try:
+        first = await d.create(spec(timeout=0.2), "sb-1", "t1")
+        for _ in range(100):
+            if any(i.labels.get(POOL_LABEL) for i in a.sandboxes.values()):
+                break
+            await asyncio.sleep(0.01)
+        second = await d.create(spec(timeout=0.2), "sb-2", "t1")
+        assert second.id != "sb-2" and second.labels.get(POOL_LABEL) == "1" and second.timeout == 0.2
+        assert d.sched.stats["warm_hits"] == 1
+        await asyncio.sleep(0.5)
+        assert first.id in a.destroyed and second.id in a.destroyed
+    finally:
+        await d.close()
+
+
+async def test_release_frees_capacity() -> None:
+    """release() destroys on the node and returns the allocation."""
+    a = MemAgent("n0")
+    d = await _driver([a])
+    try:
+        info = await d.create(spec(), "sb-1", "t1")
+        assert d.sched.cluster.nodes["n0"].used_cpu == 1
+        await d.release(info.id)
+        assert a.destroyed == ["sb-1"] and d.sched.cluster.nodes["n0"].used_cpu == 0
+    finally:
+        await d.close()
