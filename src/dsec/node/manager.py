@@ -324,12 +324,16 @@ class SandboxManager:
 
     async def _sweep_orphans(self, known: set[str]) -> int:
         """Resources with a sandbox-id name but no record (crash before the record, or a
-        record lost with its database): runtime state, cgroups, mounts, dirs, sockets."""
+        record lost with its database): runtime state, cgroups, mounts, dirs, sockets.
+
+        Only ids that this node's home or run dir (or runtime state root) name are swept:
+        the cgroup tree is machine-wide, and a cgroup alone may belong to another DSec
+        home on the same host (tests, a second node agent); ours always has a dir first.
+        """
         live = set(self.live)
         found: set[str] = set()
         for iso in self.isolations:
             found.update(i for i in self.runtime(iso).list_ids() if i not in live)
-        found.update(i for i in cgroups.all_sandbox_cgroup_ids(CGROUP_PARENT) if i not in live)
         base = self.home / "sandboxes"
         if base.is_dir():
             found.update(d.name for d in base.iterdir() if d.name not in live)
