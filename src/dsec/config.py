@@ -66,6 +66,7 @@ class Settings(BaseSettings):
     runc_path: str = Field("runc", description="runc binary")
     runsc_path: str = Field("runsc", description="runsc binary")
     runsc_platform: str = Field("ptrace", description="gVisor platform (ptrace works everywhere)")
+    runsc_debug_dir: Path | None = Field(None, description="Write gVisor debug logs here (troubleshooting)")
     exec_default_timeout_s: float = Field(60.0, description="Exec timeout when none given")
 
     # --- node capacity -------------------------------------------------------------
@@ -141,6 +142,7 @@ class Settings(BaseSettings):
     preemption_enabled: bool = Field(True, description="High priority may preempt lower priority sandboxes")
 
     # --- networking (SPEC §1) -------------------------------------------------------
+    net_enabled: bool = Field(True, description="Offer egress allow-lists (starts on first use)")
     net_cidr: str = Field("10.213.0.0/16", description="Private range for sandbox addresses")
     net_slot_pool: int = Field(16, description="Pre-built network slots kept ready")
     net_egress_rate: str = Field("100mbit", description="Per-sandbox egress bandwidth limit")
@@ -162,6 +164,8 @@ class Settings(BaseSettings):
     checkpoint_gc_grace_s: float = Field(3600.0, description="Unreferenced checkpoint blobs older than this are collected")
     checkpoint_zstd_level: int = Field(3, description="zstd level of checkpoint layers and trajectory segments")
     checkpoint_max_context_bytes: int = Field(64 * 1024 * 1024, description="Largest agent context accepted per save")
+    checkpoint_inline_max_bytes: int = Field(16 * 1024, description="Checkpoint parts up to this size live inside the unit metadata")
+    checkpoint_inline_budget_bytes: int = Field(256 * 1024, description="Max inline bytes per unit; larger go to blobs")
 
     # --- in-sandbox exec agent (owner: exec agent; docs/exec-agent.md) -----------------
     agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")

@@ -109,11 +109,12 @@ class LocalBlobStore:
 
     def delete(self, key: str) -> None:
         path = self._path(key)
+        # No dir fsync: a delete that a crash undoes resurrects an old, still-valid object
+        # (or one whose parts were collected, which readers then ignore) - never a torn one.
         try:
             path.unlink()
         except (FileNotFoundError, NotADirectoryError):
             return
-        fsync_dir(path.parent)
 
     def list(self, prefix: str) -> list[str]:
         # Walk only the directory the prefix names, not the whole store.

@@ -17,10 +17,12 @@ Restore walks units newest first and takes the first whose every part verifies.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import zstandard
 from pydantic import BaseModel
 
 from dsec import errors
-from dsec.blobs import BlobStore
+from dsec.blobs import BlobStore, sha256_hex
 from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker, materialize
@@ -81,6 +83,8 @@ class _Live:
     weights_ref: str | None = None
     user_meta: dict = field(default_factory=dict)
     seq: int = -1
+    inline: dict[str, str] = field(default_factory=dict)  # inline parts of the last unit
+    unit_keys: list[tuple[int, str]] | None = None  # (seq, key) of stored units; None = list the store
     dirty: bool = False  # sandbox fs is ahead of the last unit: replace before the next step
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -95,6 +99,9 @@ class EpisodeEngine:
         self.settings, self.store, self.host = settings, store, host
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
         self._live: dict[str, _Live] = {}
+        # Old units are deleted off the step's critical path; a crash before the delete
+        # only leaves an extra old (complete) unit for the next retention pass.
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retention")
         self._open_locks: dict[str, asyncio.Lock] = {}
 
     # --- open / restore ---------------------------------------------------------------
@@ -141,11 +148,11 @@ class EpisodeEngine:
     def _load_parts(self, meta: UnitMeta) -> tuple[list[traj.StepRecord], FsTracker | None]:
         records: list[traj.StepRecord] = []
         for seg in meta.trajectory:
-            records.extend(traj.decode_segment(read_part(self.store, seg)))
+            records.extend(traj.decode_segment(read_part(self.store, seg, meta.inline)))
         if len(records) != meta.steps or [r.step for r in records] != list(range(meta.steps)):
             raise errors.CheckpointError(f"unit {meta.seq}: trajectory has {len(records)} steps, expected {meta.steps}")
         if meta.context is not None:
-            read_part(self.store, meta.context)
+            read_part(self.store, meta.context, meta.inline)
         return records, None
 
     async def _restore(self, meta: UnitMeta) -> _Live:
@@ -160,16 +167,17 @@ class EpisodeEngine:
         in_image = image_lookup(view.lower_dirs)
         tracker = await asyncio.to_thread(FsTracker.restored, self.store, meta.fs_chain, meta.fs_manifest,
                                           in_image, self.settings.checkpoint_full_every,
-                                          self.settings.checkpoint_zstd_level)
+                                          self.settings.checkpoint_zstd_level, meta.inline)
         if tracker.fs_digest != meta.fs_digest:
             raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
-        lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir)
+        lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
         old = meta.meta.get("_sandbox_id")
         if old:
             await self.host.destroy(old)  # a survivor of the crash may be ahead of the log
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
-                     user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq)
+                     user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
+                     inline=dict(meta.inline))
         live.sandbox_id = await self.host.create(spec, lowers)
         return live
 
@@ -183,6 +191,7 @@ class EpisodeEngine:
             live.sandbox_id = None
         fresh = await self._restore(units[0])
         live.sandbox_id, live.tracker, live.dirty = fresh.sandbox_id, fresh.tracker, False
+        live.inline = fresh.inline
 
     # --- steps ------------------------------------------------------------------------
     def _get(self, episode_id: str) -> _Live:
@@ -238,7 +247,7 @@ class EpisodeEngine:
         await self.host.freeze(live.sandbox_id)
         try:
             cap, adopt = await asyncio.to_thread(
-                live.tracker.capture, upper, lambda ref: read_part(self.store, ref))
+                live.tracker.capture, upper, lambda ref: read_part(self.store, ref, live.inline))
         finally:
             await self.host.thaw(live.sandbox_id)
         parts: list[tuple[str, bytes]] = [("fs", b) for b in cap.new_parts]
@@ -256,8 +265,14 @@ class EpisodeEngine:
 
         def write() -> UnitMeta:
             refs: dict[str, list[PartRef]] = {"fs": [], "trajectory": [], "context": []}
+            inline: dict[str, str] = {}
             for name, data in parts:
-                refs[name].append(put_part(self.store, data))
+                if len(data) <= self.settings.checkpoint_inline_max_bytes:
+                    ref = PartRef(digest="sha256:" + sha256_hex(data), size=len(data))
+                    inline[ref.digest] = base64.b64encode(data).decode()
+                else:
+                    ref = put_part(self.store, data)
+                refs[name].append(ref)
                 fault_point(f"ckpt.after_part.{name}")
             meta = UnitMeta(
                 episode_id=live.id, seq=live.seq + 1, kind=kind,  # type: ignore[arg-type]
@@ -267,11 +282,15 @@ class EpisodeEngine:
                 trajectory=segments + refs["trajectory"],
                 context=refs["context"][0] if refs["context"] else live.context,
                 weights_ref=live.weights_ref, meta={**live.user_meta, "_sandbox_id": live.sandbox_id})
-            commit_unit(self.store, meta)
+            meta.inline = self._carry_inline(meta, inline, live.inline)
+            key = commit_unit(self.store, meta)
+            keys = [*(live.unit_keys or []), (meta.seq, key)] if live.unit_keys is not None else None
             try:
-                apply_retention(self.store, live.id, self.settings.checkpoint_keep)
+                live.unit_keys = apply_retention(self.store, live.id, self.settings.checkpoint_keep, keys,
+                                                 delete=self._delete_later)
             except (errors.DSecError, FaultInjected) as exc:  # retention retries at the next unit
                 log.warning("episode %s: retention failed: %s", live.id, exc)
+                live.unit_keys = None
             return meta
 
         try:
@@ -280,10 +299,33 @@ class EpisodeEngine:
             live.dirty = True
             raise
         adopt()
-        live.seq, live.segments, live.context = meta.seq, meta.trajectory, meta.context
+        live.seq, live.segments, live.context, live.inline = meta.seq, meta.trajectory, meta.context, meta.inline
         if record is not None:
             live.records.append(record)
         return meta
+
+    def _carry_inline(self, meta: UnitMeta, new: dict[str, str], prev: dict[str, str]) -> dict[str, str]:
+        """Inline parts of the new unit: its own plus every still-referenced one of the last unit.
+
+        Past the per-unit budget, the largest carried parts are spilled to the blob store
+        (before the metadata is written, so the unit is still complete when it appears).
+        """
+        referenced = {p.digest for p in meta.parts()}
+        out = {d: b for d, b in {**prev, **new}.items() if d in referenced}
+        budget = self.settings.checkpoint_inline_budget_bytes
+        for digest in sorted(out, key=lambda d: len(out[d]), reverse=True):
+            if sum(len(b) for b in out.values()) <= budget:
+                break
+            put_part(self.store, base64.b64decode(out.pop(digest)))
+        return out
+
+    def _delete_later(self, key: str) -> None:
+        def run() -> None:
+            try:
+                self.store.delete(key)
+            except Exception as exc:  # noqa: BLE001 - retried by a later retention pass
+                log.warning("deleting old checkpoint unit %s failed: %s", key, exc)
+        self._deleter.submit(run)
 
     # --- context, explicit checkpoints, preemption -------------------------------------
     async def save_context(self, episode_id: str, context: object) -> CheckpointRef:
@@ -302,7 +344,7 @@ class EpisodeEngine:
         live = self._get(episode_id)
         if live.context is None:
             return None
-        raw = await asyncio.to_thread(read_part, self.store, live.context)
+        raw = await asyncio.to_thread(read_part, self.store, live.context, live.inline)
         return json.loads(zstandard.ZstdDecompressor().decompress(raw))
 
     async def checkpoint(self, episode_id: str, weights_ref: str | None = None,
@@ -365,7 +407,7 @@ class EpisodeEngine:
         """The logged trajectory of the newest complete unit as one zstd JSONL stream."""
         for meta in complete_units(self.store, check_episode_id(episode_id)):
             try:
-                return b"".join(read_part(self.store, s) for s in meta.trajectory)
+                return b"".join(read_part(self.store, s, meta.inline) for s in meta.trajectory)
             except errors.DSecError:
                 continue
         raise errors.NotFound(f"episode {episode_id!r} has no complete checkpoint unit")

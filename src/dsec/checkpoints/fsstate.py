@@ -74,10 +74,11 @@ class FsTracker:
 
     @classmethod
     def restored(cls, store: BlobStore, chain: list[LayerRef], manifest_ref: PartRef | None,
-                 in_image: Callable[[str], bool], full_every: int, level: int) -> "FsTracker":
+                 in_image: Callable[[str], bool], full_every: int, level: int,
+                 inline: dict[str, str] | None = None) -> "FsTracker":
         manifest: dict = {}
         if manifest_ref is not None:
-            raw = zstandard.ZstdDecompressor().decompress(read_part(store, manifest_ref))
+            raw = zstandard.ZstdDecompressor().decompress(read_part(store, manifest_ref, inline))
             manifest = {k: v for k, v in json.loads(raw)}
         return cls(in_image=in_image, full_every=full_every, level=level, manifest=manifest,
                    chain=list(chain), manifest_ref=manifest_ref)
@@ -88,7 +89,8 @@ def _digest(data: bytes) -> str:
     return "sha256:" + sha256_hex(data)
 
 
-def materialize(store: BlobStore, chain: list[LayerRef], cache_dir: Path) -> list[Path]:
+def materialize(store: BlobStore, chain: list[LayerRef], cache_dir: Path,
+                inline: dict[str, str] | None = None) -> list[Path]:
     """Unpack (or reuse) every layer of ``chain``; return lower dirs top-most first.
 
     Each layer is read through the store (digest-verified, replica fail-over) and
@@ -101,7 +103,7 @@ def materialize(store: BlobStore, chain: list[LayerRef], cache_dir: Path) -> lis
     for ref in chain:
         dest = cache_dir / ref.digest.removeprefix("sha256:")
         if not dest.is_dir():
-            blob = read_part(store, ref)
+            blob = read_part(store, ref, inline)
             try:
                 layers.unpack_overlay(blob, dest)
             except OSError as exc:

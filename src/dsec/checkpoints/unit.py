@@ -15,11 +15,13 @@ the previous complete unit is used. Named fault points sit between every write.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -80,6 +82,9 @@ class UnitMeta(BaseModel):
     context: PartRef | None = None
     weights_ref: str | None = None
     meta: dict = Field(default_factory=dict)
+    inline: dict[str, str] = Field(
+        default_factory=dict, description="Small parts embedded here (digest -> base64): one write "
+        "instead of two. A unit carries every inline part it references, so retention never loses one")
 
     def parts(self) -> list[PartRef]:
         out: list[PartRef] = [*self.fs_chain, *self.trajectory]
@@ -147,6 +152,8 @@ def parts_present(store: BlobStore, meta: UnitMeta) -> bool:
     over between replicas and falls back to an older unit if no good copy exists).
     """
     for p in meta.parts():
+        if p.digest in meta.inline:
+            continue
         try:
             store.stat(cas_key(p.digest))
         except errors.DSecError:
@@ -154,8 +161,13 @@ def parts_present(store: BlobStore, meta: UnitMeta) -> bool:
     return True
 
 
-def read_part(store: BlobStore, ref: PartRef) -> bytes:
-    data = get_blob(store, ref.digest)  # verifies the digest (and fails over replicas)
+def read_part(store: BlobStore, ref: PartRef, inline: dict[str, str] | None = None) -> bytes:
+    if inline and ref.digest in inline:
+        data = base64.b64decode(inline[ref.digest])
+        if "sha256:" + sha256_hex(data) != ref.digest:
+            raise errors.DigestMismatch(f"inline part {ref.digest} is corrupt")
+    else:
+        data = get_blob(store, ref.digest)  # verifies the digest (and fails over replicas)
     if len(data) != ref.size:
         raise errors.DigestMismatch(f"part {ref.digest} has {len(data)} bytes, expected {ref.size}")
     return data
@@ -182,16 +194,21 @@ def units_to_drop(seqs_newest_first: list[int], keep: int) -> list[int]:
     return seqs_newest_first[max(keep, 1):]
 
 
-def apply_retention(store: BlobStore, episode_id: str, keep: int) -> int:
-    keys = list_unit_keys(store, episode_id)
+def apply_retention(store: BlobStore, episode_id: str, keep: int,
+                    keys: list[tuple[int, str]] | None = None,
+                    delete: Callable[[str], None] | None = None) -> list[tuple[int, str]]:
+    """Delete all but the ``keep`` newest units; return the survivors (newest first).
+
+    ``keys`` (the caller's own list of the episode's units) saves listing the store;
+    ``delete`` lets the caller defer the deletions off its hot path.
+    """
+    keys = sorted(keys, reverse=True) if keys is not None else list_unit_keys(store, episode_id)
     drop = set(units_to_drop([s for s, _ in keys], keep))
-    n = 0
     for seq, key in keys:
         if seq in drop:
             fault_point("ckpt.mid_retention")
-            store.delete(key)
-            n += 1
-    return n
+            (delete or store.delete)(key)
+    return [(seq, key) for seq, key in keys if seq not in drop]
 
 
 def collect_garbage(store: BlobStore, grace_s: float, now: float | None = None) -> int:
@@ -206,7 +223,7 @@ def collect_garbage(store: BlobStore, grace_s: float, now: float | None = None) 
         for _, key in list_unit_keys(store, ep):
             meta = load_meta(store, key)
             if meta is not None:
-                referenced.update(cas_key(p.digest) for p in meta.parts())
+                referenced.update(cas_key(p.digest) for p in meta.parts() if p.digest not in meta.inline)
     n = 0
     for key in store.list("cas/"):
         if key in referenced:

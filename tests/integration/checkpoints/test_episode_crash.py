@@ -27,6 +27,7 @@ from dsec.testing.faults import FAULT_EXIT_CODE
 
 pytestmark = pytest.mark.integration
 N = 8
+NO_INLINE = {"checkpoint_inline_max_bytes": 0}
 HERE = Path(__file__).parent
 
 
@@ -102,8 +103,8 @@ def _newest_meta(eng):
     return load_meta(eng.store, list_unit_keys(eng.store, "ep")[0][1])
 
 
-def _run_fault_free(work, n=N):
-    eng = make_engine(work)
+def _run_fault_free(work, n=N, **settings):
+    eng = make_engine(work, **settings)
     asyncio.run(run_agent(eng, "ep", n))
     asyncio.run(eng.forget("ep"))
     return eng
@@ -114,7 +115,7 @@ def _run_fault_free(work, n=N):
 def test_one_corrupt_replica_loses_nothing(work, reference, part, replica):
     """Corrupting or truncating any part on one replica is healed from the other replica:
     the episode resumes at its last step."""
-    eng = _run_fault_free(work)
+    eng = _run_fault_free(work, **NO_INLINE)  # every part a separate blob (inline ones live in the metadata)
     meta = _newest_meta(eng)
     key = {"metadata": lambda: list_unit_keys(eng.store, "ep")[0][1],
            "fs": lambda: cas_key(meta.fs_chain[-1].digest),
@@ -124,7 +125,7 @@ def test_one_corrupt_replica_loses_nothing(work, reference, part, replica):
     path = work / replica / key
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if replica == "r1" else data[:-3] + b"XYZ")
-    info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work)))
+    info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work, **NO_INLINE)))
     assert info.steps == N
     _check_finished(reference, info, res, t, ctx)
 
@@ -133,7 +134,7 @@ def test_one_corrupt_replica_loses_nothing(work, reference, part, replica):
 def test_corrupt_everywhere_falls_back_to_previous_unit(work, reference, part):
     """When a part of the newest unit is bad on every replica, restore uses the previous
     complete unit (one step fewer), re-runs that step live, and still ends correct."""
-    eng = _run_fault_free(work)
+    eng = _run_fault_free(work, **NO_INLINE)
     meta = _newest_meta(eng)
     key = {"metadata": lambda: list_unit_keys(eng.store, "ep")[0][1],
            "fs": lambda: cas_key(meta.fs_chain[-1].digest),
@@ -141,7 +142,7 @@ def test_corrupt_everywhere_falls_back_to_previous_unit(work, reference, part):
     for r in ("r1", "r2"):
         p = work / r / key
         p.write_bytes(b"\0" * max(p.stat().st_size, 1))
-    info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work)))
+    info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work, **NO_INLINE)))
     assert info.steps < N
     _check_finished(reference, info, res, t, ctx)
 
@@ -153,7 +154,7 @@ def test_disk_full_is_storage_full_and_previous_unit_intact(work, reference):
     small = work / "small"
     small.mkdir()
     syscalls.mount_tmpfs(str(small), 48 * 1024)
-    eng = make_engine(work, roots=[work / "r1", small])
+    eng = make_engine(work, roots=[work / "r1", small], **NO_INLINE)
 
     async def go():
         await eng.open("ep", SandboxSpec(image="bb"))
@@ -168,7 +169,7 @@ def test_disk_full_is_storage_full_and_previous_unit_intact(work, reference):
     units = complete_units(eng.store, "ep")
     assert units and units[0].steps == failed_at
     syscalls.umount(str(small))  # "free space": the mount point dir is empty and on the big disk
-    eng2 = make_engine(work, roots=[work / "r1", small])
+    eng2 = make_engine(work, roots=[work / "r1", small], **NO_INLINE)
     asyncio.run(eng.forget("ep"))
     info, res, t, ctx = asyncio.run(_resume_and_finish(eng2))
     assert info.steps == failed_at
