@@ -35,17 +35,40 @@ def _decode(b: bytes) -> str:
 class LocalNodeAgent:
     def __init__(self, settings: Settings, images: Any | None = None, network: Any | None = None) -> None:
         self.settings = settings
-        self.manager = SandboxManager(settings, images=images, network=network)
+        self.manager = SandboxManager(settings, images=images, network=None)
         self.node_id = settings.host
         self._reaper: asyncio.Task[None] | None = None
+        if network is None and settings.net_enabled:
+            from dsec.net import NetworkManager
+            network = NetworkManager(settings)
+        self._network = network
+        self._net_lock = asyncio.Lock()
+
+    async def _ensure_network(self) -> Any:
+        """Start networking on first need: nodes that never open egress pay nothing."""
+        if self.manager.network is not None:
+            return self.manager.network
+        if self._network is None:
+            from dsec.errors import InvalidArgument as _IA
+            raise _IA("network allow-lists are disabled on this node (DSEC_NET_ENABLED=false)", field="network")
+        async with self._net_lock:
+            if self.manager.network is None:
+                await self._network.start()
+                self.manager.network = self._network
+        return self._network
+
+    @property
+    def network(self) -> Any:
+        return self.manager.network
 
     @property
     def images(self) -> Any:
         return self.manager.images
 
     async def start(self) -> None:
-        if self.manager.network is not None:
-            await self.manager.network.start()
+        if any(r.info.network is not None and r.info.state.value not in ("stopped", "destroyed")
+               for r in self.manager.records.all()):
+            await self._ensure_network()  # sandboxes with slots to adopt or clean
         await self.manager.start()
         if self.manager.network is not None:
             await self.manager.network.reconcile(set(self.manager.live))
@@ -77,8 +100,27 @@ class LocalNodeAgent:
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
                      pooled: bool = False, extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+        if spec.network is not None:
+            await self._ensure_network()
         return await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
                                          extra_lower_dirs=extra_lower_dirs)
+
+    async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo:
+        """Replace a live sandbox's egress allow-list (takes effect at once, host-side)."""
+        rec = self.manager.live_record(sandbox_id)
+        if rec.info.network is None:
+            raise InvalidArgument(f"sandbox {sandbox_id} was created with network=None (no interface); "
+                                  "create it with network=[] to change its allow-list later",
+                                  sandbox_id=sandbox_id)
+        net = await self._ensure_network()
+        await net.update(sandbox_id, allow)
+        rec.info = rec.info.model_copy(update={"network": allow})
+        self.manager.records.put(rec)
+        return self.manager.info(rec)
+
+    def denied_network_attempts(self, sandbox_id: str) -> list[Any]:
+        net = self.manager.network
+        return net.denied_events(sandbox_id) if net is not None else []
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
         return await self.manager.claim(sandbox_id, spec, tenant)

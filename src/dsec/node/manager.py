@@ -69,6 +69,9 @@ class SandboxManager:
         self.counters: dict[str, int] = {"created": 0, "create_failed": 0, "destroyed": 0,
                                          "reaped_ttl": 0, "reaped_dead": 0, "leaks_cleaned": 0, "adopted": 0}
         self.on_state_change: list[Callable[[SandboxInfo], None]] = []
+        # Called with the sandbox id before its resources go (e.g. to copy the network's
+        # denied-attempt records into the audit log while they still exist).
+        self.before_teardown: list[Callable[[str], None]] = []
         self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
         self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
         self.disk = parse_bytes(settings.node_disk) if settings.node_disk else shutil.disk_usage(
@@ -85,7 +88,7 @@ class SandboxManager:
         rt = self.runtimes.get(isolation)
         if rt is None:
             rt = make_runtime(isolation, self.settings.runc_path, self.settings.runsc_path,
-                              self.settings.runsc_platform, self.run_dir)
+                              self.settings.runsc_platform, self.run_dir, self.settings.runsc_debug_dir)
             self.runtimes[isolation] = rt
         return rt
 
@@ -217,11 +220,15 @@ class SandboxManager:
         if info.isolation == "gvisor":
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
+            # This runsc ignores a netns path in the spec; it is started inside the slot's
+            # netns instead and copies the interfaces from there into its own netstack.
+            config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"] if n["type"] != "network"]
         p.config.write_text(json.dumps(config))
         if info.isolation == "gvisor":
             # network=None: gVisor's own netstack with loopback only; else the slot's netns.
-            net_flag = "--network=sandbox" if netns else "--network=none"
-            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,))
+            net_flag = "--network=host" if netns else "--network=none"
+            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,),
+                                                         enter_netns=netns)
         else:
             sock = listen_socket(p.socket)
             try:
@@ -262,6 +269,11 @@ class SandboxManager:
         p = self.paths(sid)
         if rec.info.state is S.failed:
             self._set_state(rec, S.stopping)
+        for hook in self.before_teardown:
+            try:
+                hook(sid)
+            except Exception:
+                log.exception("before_teardown hook failed for %s", sid)
         try:
             pid = rec.info.pid or _read_pid(p.bundle / "init.pid")
             if pid and _is_sandbox_init(pid, sid, rec.info.isolation):

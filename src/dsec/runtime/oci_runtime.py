@@ -92,7 +92,7 @@ class OciRuntime:
         return [self.binary, "--root", str(self.state_root), *self.extra_global_args]
 
     async def run(self, sandbox_id: str, bundle: Path, listen_fd: int | None, log_path: Path,
-                  run_global_args: tuple[str, ...] = ()) -> int:
+                  run_global_args: tuple[str, ...] = (), enter_netns: str | None = None) -> int:
         """Create and start the container detached; return the host PID of its init.
 
         With ``listen_fd`` the exec agent's listening socket is handed to the sandbox's
@@ -101,7 +101,8 @@ class OciRuntime:
         self.state_root.mkdir(parents=True, exist_ok=True)
         pid_file = bundle / "init.pid"
         fds = ["--preserve-fds", "1"] if listen_fd is not None else []
-        argv = [*self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
+        enter = ["nsenter", f"--net={enter_netns}"] if enter_netns else []
+        argv = [*enter, *self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
                 "--bundle", str(bundle), sandbox_id]
         res = await spawn(argv, log_path, {3: listen_fd} if listen_fd is not None else None)
         if res.returncode != 0:
@@ -146,7 +147,8 @@ class OciRuntime:
         return [*args, sandbox_id, *argv]
 
 
-def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str, state_base: Path) -> OciRuntime:
+def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str, state_base: Path,
+                 runsc_debug_dir: Path | None = None) -> OciRuntime:
     if isolation == "container":
         return OciRuntime(runc_path, state_base / "runc", ["--log-format", "json"], name="runc")
     if isolation == "gvisor":
@@ -155,7 +157,9 @@ def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str,
         # must be visible inside without gVisor's exclusive dentry cache.
         return OciRuntime(runsc_path, state_base / "runsc",
                           ["--ignore-cgroups", f"--platform={platform}", "--file-access=shared",
-                           "--overlay2=none"], name="runsc")
+                           "--overlay2=none",
+                           *([f"--debug-log={runsc_debug_dir}/", "--debug"] if runsc_debug_dir else [])],
+                          name="runsc")
     raise ValueError(f"unknown isolation {isolation!r}")
 
 
