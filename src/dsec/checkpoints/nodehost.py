@@ -1,0 +1,57 @@
+"""EpisodeHost over the real node (``dsec.node.agent.LocalNodeAgent`` + its SandboxManager).
+
+Uses the manager's checkpoint hooks: ``upper_dir`` (the sandbox's overlay upper, on its
+quota tmpfs), ``freeze``/``thaw`` (cgroup freezer, so a background process cannot
+change files mid-capture) and ``create(..., extra_lower_dirs=...)`` (restore: image
+layers + checkpoint layers as read-only lowers, fresh upper).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from dsec import errors
+from dsec.checkpoints.host import ImageView
+from dsec.checkpoints.unit import Compat
+from dsec.models import ExecRequest, ExecResult, SandboxSpec
+
+
+class NodeEpisodeHost:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.manager = node.manager
+
+    async def image_view(self, spec: SandboxSpec) -> ImageView:
+        images = self.manager.images
+        info = await asyncio.to_thread(images.resolve, spec.image)
+        dirs = await asyncio.to_thread(images.layer_dirs, info.id)
+        isolation = spec.isolation or self.node.settings.default_isolation
+        return ImageView(compat=Compat(image=spec.image, image_id=info.id,
+                                       image_layers=[li.diff_id for li in info.layers], isolation=isolation),
+                         lower_dirs=list(dirs))
+
+    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path]) -> str:
+        info = await self.node.create(spec, extra_lower_dirs=extra_lower_dirs)
+        return info.id
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self.node.exec(sandbox_id, req)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        try:
+            await self.node.destroy(sandbox_id)
+        except errors.NotFound:
+            pass
+        except errors.Conflict:
+            pass  # already stopping/destroyed
+
+    def upper_dir(self, sandbox_id: str) -> Path:
+        return self.manager.upper_dir(sandbox_id)
+
+    async def freeze(self, sandbox_id: str) -> None:
+        await self.manager.freeze(sandbox_id)
+
+    async def thaw(self, sandbox_id: str) -> None:
+        await self.manager.thaw(sandbox_id)
