@@ -106,3 +106,15 @@ async def close(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
 def include_episodes(app: FastAPI, engine: EpisodeEngine) -> None:
     app.state.episodes = engine
     app.include_router(router)
+
+
+def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
+    """Build the engine for the app's node (real sandboxes) and mount the routes.
+
+    The one line for ``create_app``: ``install_episodes(app, services)``.
+    """
+    from dsec.blobs import open_checkpoint_store
+    from dsec.checkpoints.nodehost import NodeEpisodeHost
+    engine = EpisodeEngine(services.settings, open_checkpoint_store(services.settings), NodeEpisodeHost(services.node))
+    include_episodes(app, engine)
+    return engine

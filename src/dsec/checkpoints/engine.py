@@ -404,10 +404,14 @@ class EpisodeEngine:
         return self._info(self._get(episode_id))
 
     def export(self, episode_id: str) -> bytes:
+        return self.export_from(self.store, episode_id)
+
+    @staticmethod
+    def export_from(store: BlobStore, episode_id: str) -> bytes:
         """The logged trajectory of the newest complete unit as one zstd JSONL stream."""
-        for meta in complete_units(self.store, check_episode_id(episode_id)):
+        for meta in complete_units(store, check_episode_id(episode_id)):
             try:
-                return b"".join(read_part(self.store, s, meta.inline) for s in meta.trajectory)
+                return b"".join(read_part(store, s, meta.inline) for s in meta.trajectory)
             except errors.DSecError:
                 continue
         raise errors.NotFound(f"episode {episode_id!r} has no complete checkpoint unit")

@@ -10,6 +10,8 @@ app = typer.Typer(name="dsec", help="DSec: fast, secure, recoverable sandboxes f
 # Sub-command registrations (one line per module; keep this list sorted).
 from dsec.cli.bench import app as bench_app; app.add_typer(bench_app, name="bench")  # noqa: E402,E702
 from dsec.cli.demo import register as _reg_demo; _reg_demo(app)  # noqa: E402,E702
+from dsec.cli.drill import register as _reg_drill; _reg_drill(app)  # noqa: E402,E702
+from dsec.cli.episode import app as episode_app; app.add_typer(episode_app, name="episode")  # noqa: E402,E702
 from dsec.cli.image import app as image_app; app.add_typer(image_app, name="image")  # noqa: E402,E702
 from dsec.cli.sandbox import register as _reg_sandbox; _reg_sandbox(app)  # noqa: E402,E702 run/exec/ps/kill/logs
 from dsec.cli.serve import register as _reg_serve; _reg_serve(app)  # noqa: E402,E702
