@@ -55,6 +55,7 @@ class Scheduler:
         self._seq = 0
         self._fit_cache: dict[tuple, bool] = {}
         self._touched: list[Node] = []
+        self._no_victims: dict[tuple[int, str, str | None], tuple[float, int, int]] = {}
         self.stats = {k: 0 for k in ("submitted", "placements", "warm_hits", "warm_misses", "retries",
                                      "failed", "preemptions", "evictions", "rejected_overload",
                                      "rejected_quota", "rejected_invalid", "abnormal", "duplicates")}
@@ -227,6 +228,7 @@ class Scheduler:
         for node in self._touched:
             node.batch_load = 0
         self._touched = []
+        self._no_victims.clear()
         while self.delayed and self.delayed[0][0] <= now:
             _, _, req = heapq.heappop(self.delayed)
             self.queues.push(req, front=True)
@@ -270,12 +272,19 @@ class Scheduler:
             choice = self.policy.choose(req, image, self.cluster, self.rng)
         evict: list[Running] = []
         if choice is None:
+            # No room anywhere: make room. A request at least as large as one that already
+            # found no victims this batch (same class, tier, GPU) cannot find any either.
+            key = (req.priority, req.isolation, req.gpu)
+            failed = self._no_victims.get(key)
+            if failed is not None and all(a >= b for a, b in zip((req.cpu, req.memory, req.disk), failed)):
+                return None
             nl = self.cluster.node_list
             cands = nl if len(nl) <= 4 * self.s.sparrow_min_nodes else self.rng.sample(nl, self.s.sparrow_min_nodes)
             allow = self.s.preemption_enabled and req.priority < LOW
             pick = select_victims(req, cands, self.residents, self.s.overcommit_ratio,
                                   self.s.overcommit_threshold, allow)
             if pick is None:
+                self._no_victims[key] = (req.cpu, req.memory, req.disk)
                 return None
             node, evict = pick
             choice = (node, sum(sz for d, sz in image.layers if d not in node.layers))

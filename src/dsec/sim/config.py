@@ -26,10 +26,10 @@ class SimConfig:
     base_images: int = 8                  # OS base layers shared by all images
     runtimes: int = 24                    # language-runtime layers shared by groups of images
     tenants: int = 8
-    diurnal_amplitude: float = 0.5        # rate(t) = mean x (1 + a sin(...))
+    diurnal_amplitude: float = 0.3        # rate(t) = mean x (1 + a sin(...))
     bursts_per_day: float = 12.0          # RL rollout waves
-    burst_factor: float = 3.0             # rate multiplier during a burst
-    burst_s: float = 180.0                # burst length
+    burst_factor: float = 2.0             # rate multiplier during a burst
+    burst_s: float = 60.0                 # burst length
     duration_median_s: float = 150.0      # lognormal episode duration (clipped below)
     duration_sigma: float = 1.0
     duration_min_s: float = 30.0

@@ -180,9 +180,11 @@ def run_policy(cfg: SimConfig, policy: str, base: Settings | None = None,
             else:
                 ok = True
             push(ready, CREATED, (req.request_id, i, epoch[i], ok, k))
-        if len(sched.queues):
+        if len(sched.queues) and out:
             want_batch(now + bw)
-        elif sched.delayed:
+        # Nothing placeable: capacity changes (END, CREATED failure, usage sample, node back)
+        # trigger the next batch; polling every window would only burn wall time.
+        if sched.delayed:
             want_batch(max(now + bw, sched.delayed[0][0]))
 
     def take_arrival(req: Request) -> tuple[Arrival, float]:
@@ -293,6 +295,7 @@ def run_policy(cfg: SimConfig, policy: str, base: Settings | None = None,
         elif kind == BACK:
             down[data] = False  # type: ignore[index]
             sched.set_node_health(names[data], True)  # type: ignore[index]
+            want_batch(now)
     if progress is not None:
         progress(1.0)
     return _summary(cfg, policy, sched, m, waits, starts, series, n_nodes)
