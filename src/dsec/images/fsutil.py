@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
 CHUNK = 1 << 20
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def fsync_dir(path: Path) -> None:
@@ -127,7 +129,6 @@ def check_digest(value: str, what: str) -> str:
     """Validate a 'sha256:<64 hex>' digest string (never trust one in a path unchecked)."""
     from dsec.errors import ImageError
 
-    algo, _, hexpart = value.partition(":")
-    if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+    if _DIGEST_RE.fullmatch(value) is None:
         raise ImageError(f"{what}: invalid digest {value!r} (expected sha256:<64 lowercase hex>)")
     return value

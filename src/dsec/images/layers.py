@@ -48,9 +48,13 @@ class LayerCache:
         self._locks = locks
         self._trusted: set[str] = set()
         self._tlock = threading.Lock()
+        self._dirs: dict[str, Path] = {}
 
     def dir(self, diff_id: str) -> Path:
-        return self.root / check_digest(diff_id, "layer").split(":", 1)[1]
+        d = self._dirs.get(diff_id)
+        if d is None:
+            d = self._dirs[diff_id] = self.root / check_digest(diff_id, "layer").split(":", 1)[1]
+        return d
 
     def fs(self, diff_id: str) -> Path:
         return self.dir(diff_id) / "fs"

@@ -37,9 +37,10 @@ class Snapshotter:
     def prepare(self, key: str, image_ref: str, scratch_dir: Path,
                 extra_lower_dirs: list[Path] | None = None) -> OverlayMounts:
         store = self.store
-        info = store.resolve(image_ref)
+        info = store.resolve_fast(image_ref)
         objects = [info.id] + [li.digest for li in info.layers] + [li.diff_id for li in info.layers]
-        store.lease(key, objects)  # before ensuring: GC must not race us
+        # Lease (and use stats) before ensuring the layers: GC must not race us.
+        store.touch(info.id, [li.diff_id for li in info.layers], key, objects)
         try:
             dirs: list[Path] = []
             timings: list[tuple[str, float]] = []
@@ -48,14 +49,18 @@ class Snapshotter:
                 dirs.append(store.ensure_layer(li))
                 timings.append((li.diff_id, (time.perf_counter() - t0) * 1000))
             upper, work = scratch_dir / "upper", scratch_dir / "work"
-            os.makedirs(upper, exist_ok=True)
-            os.makedirs(work, exist_ok=True)
+            for d in (upper, work):  # plain mkdir: makedirs' extra stats cost on slow disks
+                try:
+                    os.mkdir(d, 0o755)
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    os.makedirs(d, exist_ok=True)
             lower = [str(p) for p in (extra_lower_dirs or [])] + [str(d) for d in reversed(dirs)]
             if not lower:  # an image with no layers: overlay still needs one lower dir
                 empty = scratch_dir / "empty"
                 os.makedirs(empty, exist_ok=True)
                 lower = [str(empty)]
-            store.touch(info.id, [li.diff_id for li in info.layers])
             if info.id not in self._recorded:
                 self._record_order(info.id, timings)
         except BaseException:

@@ -87,6 +87,13 @@ class ImageStore:
     def resolve(self, ref: str) -> ImageInfo:
         return self._info(self._resolve_id(ref))
 
+    def resolve_fast(self, ref: str) -> ImageInfo:
+        """Hot path: layers/config of ``ref`` from the in-memory index (names and
+        last_used may be stale); one indexed SQLite lookup of the name."""
+        image_id = self._resolve_id(ref)
+        info = self._infos.get(image_id)
+        return info if info is not None else self._info(image_id)
+
     def list(self) -> list[ImageInfo]:
         ids = [r[0] for r in self.db.q("SELECT id FROM images ORDER BY created_at, id")]
         return [self._info(i) for i in ids]
@@ -142,6 +149,9 @@ class ImageStore:
         return open_blob
 
     def ensure_layer(self, li: LayerInfo, progress: Progress | None = None) -> Path:
+        if self.layers.is_trusted(li.diff_id):  # hot path: one stat
+            self.hits += 1
+            return self.layers.fs(li.diff_id)
         if not self.content.has(li.digest) and not self.layers.present(li.diff_id):
             raise NotFound(f"layer {li.digest} (diff_id {li.diff_id}) is neither unpacked nor in the content "
                            "store; re-import the image")
@@ -158,9 +168,14 @@ class ImageStore:
         info = self._infos.get(image_id) or self._info(image_id)
         return [self.ensure_layer(li, progress) for li in info.layers]
 
-    def touch(self, image_id: str, diff_ids: list[str]) -> None:
+    def touch(self, image_id: str, diff_ids: list[str], lease_key: str | None = None,
+              lease_objects: list[str] | None = None) -> None:
+        """Record a use (and optionally take a lease) in one transaction."""
         now = time.time()
         with self.db.tx() as tx:
+            if lease_key is not None:
+                tx.executemany("INSERT OR IGNORE INTO leases VALUES (?,?,?)",
+                               [(lease_key, o, now) for o in lease_objects or []])
             tx.execute("UPDATE images SET last_used=?, uses=uses+1 WHERE id=?", (now, image_id))
             tx.executemany("INSERT INTO layer_stats VALUES (?,?,1) ON CONFLICT(diff_id) DO UPDATE SET "
                            "last_used=excluded.last_used, uses=uses+1", [(d, now) for d in diff_ids])

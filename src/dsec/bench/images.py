@@ -1,0 +1,154 @@
+"""Image benchmark: ours vs a baseline in the same run, reported as ratios.
+
+1. import + unpack of the python stock image as a ``docker save`` archive (made by
+   ``skopeo copy`` from our export) into a fresh store, vs ``podman load`` of the SAME
+   archive into a fresh podman storage root (overlay driver). Alternated, best of N.
+2. overlay prepare (Snapshotter.prepare) median on the cached image (target < 2 ms),
+   plus the first prepare in a fresh store object (pays the per-process verification).
+3. unchanged rebuild of a 3-step spec (copy, run, run) on python (target < 1 s),
+   against the first (cold) build of the same spec.
+
+Run: ``python -m dsec.bench.images [REPORT_DIR]`` (root; needs the python stock image,
+which ``dsec image ensure-stock`` builds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from dsec.config import get_settings, load_settings
+from dsec.images import ImageStore, Snapshotter
+from dsec.images.build import Builder, UnshareRunner, load_spec
+from dsec.images.stock import ensure_stock
+
+
+def _store(home: Path) -> ImageStore:
+    return ImageStore(home / "images", load_settings(home=home))
+
+
+def _docker_archive(src: ImageStore, work: Path) -> Path:
+    src.export("python", work / "oci", tag="bench", compression="gzip")
+    out = work / "python-docker.tar"
+    subprocess.run(["skopeo", "copy", f"oci:{work}/oci:bench", f"docker-archive:{out}:python:bench"],
+                   check=True, capture_output=True)
+    shutil.rmtree(work / "oci")
+    return out
+
+
+def _ours(archive: Path, work: Path) -> float:
+    home = Path(tempfile.mkdtemp(dir=work, prefix="ours-"))
+    os.sync()  # start both sides with no dirty pages of the other side pending
+    t0 = time.perf_counter()
+    _store(home).import_archive(archive)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(home)
+    return dt
+
+
+def _podman(archive: Path, work: Path) -> float:
+    root = Path(tempfile.mkdtemp(dir=work, prefix="podman-"))
+    runroot = Path(tempfile.mkdtemp(prefix="dpb-", dir="/tmp"))  # podman wants runroot < 50 chars
+    os.sync()
+    base = ["podman", "--root", str(root / "root"), "--runroot", str(runroot), "--storage-driver", "overlay",
+            "--events-backend", "none"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(base + ["load", "-q", "-i", str(archive)], capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"podman load failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    subprocess.run(base + ["system", "reset", "-f"], capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(runroot, ignore_errors=True)
+    return dt
+
+
+def _prepare(home: Path, n: int) -> dict:
+    first_store = _store(home)
+    snap = Snapshotter(first_store)
+    t0 = time.perf_counter()
+    snap.prepare("bench-first", "python:bench", home / "scratch" / "first")
+    first_ms = (time.perf_counter() - t0) * 1000
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        snap.prepare(f"bench-{i}", "python:bench", home / "scratch" / str(i))
+        times.append((time.perf_counter() - t0) * 1000)
+    for i in range(n):
+        snap.release(f"bench-{i}")
+    snap.release("bench-first")
+    times.sort()
+    # Baseline on the same disk: the two mkdirs (upper, work) any prepare must do.
+    base = []
+    for i in range(n):
+        d = home / "scratch" / f"b{i}"
+        t0 = time.perf_counter()
+        os.makedirs(d / "upper")
+        os.mkdir(d / "work")
+        base.append((time.perf_counter() - t0) * 1000)
+    return {"n": n, "median_ms": statistics.median(times), "p95_ms": times[int(n * 0.95) - 1],
+            "first_in_process_ms": first_ms, "baseline_mkdirs_median_ms": statistics.median(base),
+            "ratio_vs_mkdir_baseline": statistics.median(times) / statistics.median(base)}
+
+
+def _rebuild(home: Path, work: Path) -> dict:
+    ctx = work / "ctx"
+    (ctx / "app").mkdir(parents=True)
+    (ctx / "app" / "main.py").write_text("print('hello from the bench')\n")
+    (ctx / "spec.yaml").write_text(yaml.safe_dump({"from": "python:bench", "steps": [
+        {"copy": {"src": "app/", "dest": "/work/app"}},
+        {"run": "python3 -m venv /opt/venv"},
+        {"run": "python3 /work/app/main.py > /work/out.txt"},
+    ]}))
+    store = _store(home)
+    b = Builder(store, UnshareRunner(store.settings))
+    t0 = time.perf_counter()
+    r1 = b.build(load_spec(ctx / "spec.yaml"), "bench-app:1", ctx)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r2 = b.build(load_spec(ctx / "spec.yaml"), "bench-app:1", ctx)
+    warm = time.perf_counter() - t0
+    assert r2.built == 0 and r2.image.id == r1.image.id
+    return {"cold_build_s": cold, "unchanged_rebuild_s": warm, "steps": 3, "rebuilt_steps": r2.built,
+            "ratio_rebuild_vs_cold": warm / cold}
+
+
+def run(report_dir: Path | str = "bench-reports", rounds: int = 3, prepares: int = 500) -> dict:
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    s = get_settings()
+    src = ImageStore(s.home / "images", s)
+    ensure_stock(src, ["python"], log=lambda m: print(m, file=sys.stderr))
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-images-", dir=s.home))
+    try:
+        archive = _docker_archive(src, work)
+        ours, podman = [], []
+        for _ in range(rounds):  # alternate so page cache / disk state favour neither side
+            ours.append(_ours(archive, work))
+            podman.append(_podman(archive, work))
+        home = work / "main"
+        _store(home).import_archive(archive)
+        result = {
+            "archive_bytes": archive.stat().st_size,
+            "import": {"ours_s": min(ours), "podman_load_s": min(podman), "ours_all": ours, "podman_all": podman,
+                       "ratio_ours_vs_podman": min(ours) / min(podman)},
+            "prepare": _prepare(home, prepares),
+            "rebuild": _rebuild(home, work),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (report_dir / "images.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "bench-reports"), indent=2))
