@@ -111,3 +111,22 @@ def test_units_without_parts_or_with_bad_metadata_are_invisible(tmp_path):
     assert load_meta(store, k1) is None
     assert [m.seq for m in complete_units(store, "e")] == [0]
     assert len(list_unit_keys(store, "e")) == 3
+
+
+def test_gc_keeps_referenced_and_young_blobs(tmp_path):
+    """GC deletes only blobs no unit references and older than the grace period; retention
+    drops old metadata so their exclusive parts become collectable."""
+    import time as _t
+    store = LocalBlobStore(tmp_path)
+    from dsec.checkpoints.unit import apply_retention, collect_garbage
+    shared = put_part(store, b"shared segment")
+    only_old = put_part(store, b"only in unit 0")
+    commit_unit(store, _meta(0, [shared, only_old]))
+    commit_unit(store, _meta(1, [shared]))
+    orphan = put_part(store, b"written, unit never committed")
+    assert collect_garbage(store, grace_s=3600) == 0          # everything is young
+    assert collect_garbage(store, grace_s=0, now=_t.time() + 1) == 1  # the orphan
+    apply_retention(store, "e", keep=1)
+    assert collect_garbage(store, grace_s=0, now=_t.time() + 1) == 1  # only_old, now unreferenced
+    assert store.exists("cas/sha256/" + shared.digest.split(":")[1])
+    assert not store.exists("cas/sha256/" + orphan.digest.split(":")[1])
