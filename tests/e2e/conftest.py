@@ -13,5 +13,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("dsec-home")
     ensure_images(home, ["busybox"])
     srv = start_server(home, {"DSEC_MAX_UPLOAD_BYTES": str(1 << 20)})
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+        srv.stop()

@@ -36,6 +36,14 @@ class Server:
             raise AssertionError(f"dsec {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
 
+    def kill_all(self) -> None:
+        """Kill every sandbox of the local tenant (teardown: a failed test must not leak)."""
+        import httpx
+
+        with httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {self.token}"}, timeout=60) as c:
+            for sb in c.get("/v1/sandboxes").json():
+                c.delete(f"/v1/sandboxes/{sb['id']}")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -11,6 +11,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,17 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     ensure_local_token(services)
     app = create_app(services)
     server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level))
+
+    def _on_signal(sig: int, _frame: object) -> None:
+        # uvicorn re-raises the captured signal after its graceful shutdown, with these
+        # (restored) handlers in place: that must not kill us before cleanup below runs.
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _on_signal)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

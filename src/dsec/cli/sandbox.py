@@ -17,6 +17,10 @@ LabelOpt = typer.Option(None, "--label", "-l", help="key=value (repeatable)")
 
 def _cmd(argv: list[str]) -> str | list[str]:
     # One argument is a shell string (`dsec exec ID -- 'ls | wc -l'`); several are an argv.
+    if argv and argv[0] == "--":  # click keeps the separator once positional parsing stopped
+        argv = argv[1:]
+    if not argv:
+        raise typer.BadParameter("give a command after --, e.g. `dsec exec ID -- ls /`")
     return argv[0] if len(argv) == 1 else argv
 
 
@@ -43,7 +47,7 @@ def _stream(c: Any, sandbox_id: str, argv: list[str], timeout: float | None, as_
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(context_settings={"allow_interspersed_args": False})
+    @app.command()
     @handle_errors
     def run(image: str = typer.Argument(..., help="Image name[:tag]"),
             cmd: list[str] = typer.Argument(..., help="Command (after --)"),
@@ -72,7 +76,7 @@ def register(app: typer.Typer) -> None:
                 c.kill(info.id)
         raise typer.Exit(code)
 
-    @app.command("exec", context_settings={"allow_interspersed_args": False})
+    @app.command("exec")
     @handle_errors
     def exec_(sandbox_id: str = typer.Argument(...), cmd: list[str] = typer.Argument(..., help="Command (after --)"),
               timeout: float | None = typer.Option(None, help="Command timeout (s)"),
