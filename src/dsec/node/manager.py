@@ -441,16 +441,28 @@ def _is_sandbox_init(pid: int, sandbox_id: str, isolation: str) -> bool:
 
 
 def _gvisor_pids(sandbox_id: str, pid: int) -> list[int]:
-    """The runsc sandbox and gofer processes of a sandbox (those carry its id in argv)."""
-    pids = [pid]
+    """The runsc sandbox and gofer processes of a sandbox (those carry its id in argv) and
+    all their descendants. On the ptrace platform guest code runs in stub processes forked
+    by the Sentry before we get to move it; left behind they escape the sandbox's cpu,
+    memory and pids limits. Later stubs fork from the moved master stub and inherit."""
+    pids = {pid}
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != pid:
             try:
                 if sandbox_id.encode() in (d / "cmdline").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
+                    pids.add(int(d.name))
+                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    todo = list(pids)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in pids:
+                pids.add(c)
+                todo.append(c)
+    return sorted(pids)
 
 
 def _tail(path: Path, n: int = 800) -> str:
