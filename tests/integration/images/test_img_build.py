@@ -9,7 +9,7 @@ import yaml
 
 from dsec.errors import BuildFailed, NotFound
 from dsec.images import ImageStore, Snapshotter
-from dsec.images.build import Builder, UnshareRunner, load_spec
+from dsec.images.build import Builder, UnshareRunner, load_spec, make_runner
 from dsec.node import syscalls
 
 pytestmark = pytest.mark.integration
@@ -45,10 +45,12 @@ def _read(store: ImageStore, ref: str, tmp_path: Path, *paths: str) -> list[str 
         snap.release("read")
 
 
-def test_build_runs_steps_and_caches(store: ImageStore, tmp_path: Path) -> None:
-    """copy/run/env/workdir steps produce the right tree; an unchanged rebuild does no work;
-    changing only the last step rebuilds only that layer; RUN has no network by default."""
-    b = Builder(store, UnshareRunner(store.settings))
+@pytest.mark.parametrize("backend", ["unshare", "manager"])
+def test_build_runs_steps_and_caches(store: ImageStore, tmp_path: Path, backend: str) -> None:
+    """copy/run/env/workdir steps produce the right tree on both RUN backends (unshare+chroot,
+    real runc sandbox via the SandboxManager); an unchanged rebuild does no work; changing
+    only the last step rebuilds only that layer; RUN has no network by default."""
+    b = Builder(store, make_runner(backend, store))
     spec = _spec(tmp_path, STEPS)
     r1 = b.build(load_spec(spec), "app:1", spec.parent)
     assert (r1.built, r1.cached) == (3, 0) and len(r1.image.layers) == 4
@@ -74,9 +76,11 @@ def test_copy_change_invalidates_later_steps(store: ImageStore, tmp_path: Path) 
     assert (r.built, r.cached) == (2, 0)
 
 
-def test_failing_step_registers_nothing(store: ImageStore, tmp_path: Path) -> None:
-    """A failing RUN step raises BuildFailed naming the step and output; no image appears."""
-    b = Builder(store, UnshareRunner(store.settings))
+@pytest.mark.parametrize("backend", ["unshare", "manager"])
+def test_failing_step_registers_nothing(store: ImageStore, tmp_path: Path, backend: str) -> None:
+    """A failing RUN step raises BuildFailed naming the step and output; no image appears,
+    no scratch dir, lease or build sandbox is left behind."""
+    b = Builder(store, make_runner(backend, store))
     spec = _spec(tmp_path, [{"run": "echo about-to-fail; exit 7"}])
     before = {i.id for i in store.list()}
     with pytest.raises(BuildFailed, match=r"(?s)step 1/1 \(run\).*code 7.*about-to-fail"):
@@ -86,3 +90,5 @@ def test_failing_step_registers_nothing(store: ImageStore, tmp_path: Path) -> No
         store.resolve("broken:1")
     assert not [p for p in store.root.iterdir() if p.name.startswith("build-")]
     assert store.db.leases() == {}
+    sandboxes = store.root / "node-build" / "sandboxes"
+    assert not sandboxes.exists() or list(sandboxes.iterdir()) == []
