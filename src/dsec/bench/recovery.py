@@ -88,7 +88,7 @@ async def bench_overhead(node, settings, work: Path, reps: int) -> dict:
 async def bench_restore(node, settings, work: Path, steps: int, total_mb: int, reps: int) -> dict:
     store = ReplicatedBlobStore([LocalBlobStore(work / "q1"), LocalBlobStore(work / "q2")])
     cache = work / "rcache"
-    mk = lambda: EpisodeEngine(settings, store, NodeEpisodeHost(node), cache_dir=cache)  # noqa: E731
+    mk = lambda: EpisodeEngine(settings, store, NodeEpisodeHost(node), cache_dir=cache)
     eng = mk()
     await eng.open("restore", SPEC)
     per_step = total_mb * 1_000_000 // steps
@@ -119,7 +119,7 @@ async def bench_restore(node, settings, work: Path, steps: int, total_mb: int, r
             info = await eng.info("restore")
             assert steps_done == info.steps
     await eng.close("restore")
-    ms = lambda xs: {"n": len(xs), "p50_s": _pct(xs, 0.5), "p99_s": _pct(xs, 0.99)}  # noqa: E731
+    ms = lambda xs: {"n": len(xs), "p50_s": _pct(xs, 0.5), "p99_s": _pct(xs, 0.99)}
     return {"steps": steps, "changed_mb": total_mb, "fs_chain_layers_max": settings.checkpoint_full_every,
             "baseline_fresh_create_to_first_exec": ms(creates),
             "restore_to_first_new_step_cold": ms(cold), "restore_to_first_new_step_warm": ms(warm),

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from dsec.blobs.base import (BlobStat, BlobStore, cas_key, check_key, content_ok, get_blob, put_blob,
-                             sha256_hex)
+from dsec.blobs.base import (
+    BlobStat,
+    BlobStore,
+    cas_key,
+    check_key,
+    content_ok,
+    get_blob,
+    put_blob,
+    sha256_hex,
+)
 from dsec.blobs.local import LocalBlobStore
 from dsec.blobs.replicated import ReplicatedBlobStore
 from dsec.config import Settings

@@ -107,7 +107,7 @@ class DirHost:
         try:
             out, err = await asyncio.wait_for(
                 proc.communicate(req.stdin.encode() if req.stdin is not None else None), req.timeout or 60)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = await proc.communicate()

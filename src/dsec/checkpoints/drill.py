@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,9 +69,10 @@ def script(seed: int, steps: int) -> list[tuple[str, str]]:
 
 def serve(work: Path, port: int) -> None:
     """The drill server: the real episodes API on a DirHost engine with two replicas."""
+    from types import SimpleNamespace
+
     import uvicorn
     from fastapi import FastAPI
-    from types import SimpleNamespace
 
     from dsec.api.auth import TenantAuth
     from dsec.api.episodes import include_episodes

@@ -257,7 +257,7 @@ def write_report(out: Path, cfg: DrillConfig, res: DrillResult) -> dict:
     ax[2].set(title="checkpoint bytes per step (KiB)", xlabel="KiB")
     fig.tight_layout()
     fig.savefig(out / "drill.png", dpi=90)
-    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"
     lines = ["# DSec recovery drill", "",
              f"- faults injected: **{s['faults_injected']}** {s['faults_by_kind']}",
              f"- episodes: {s['episodes']}, verified equal to fault-free run: **{s['episodes_verified']}** "

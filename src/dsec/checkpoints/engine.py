@@ -35,8 +35,17 @@ from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker, materialize
 from dsec.checkpoints.host import EpisodeHost, ImageView
-from dsec.checkpoints.unit import (PartRef, UnitMeta, apply_retention, check_episode_id, commit_unit,
-                                   complete_units, list_unit_keys, put_part, read_part)
+from dsec.checkpoints.unit import (
+    PartRef,
+    UnitMeta,
+    apply_retention,
+    check_episode_id,
+    commit_unit,
+    complete_units,
+    list_unit_keys,
+    put_part,
+    read_part,
+)
 from dsec.config import Settings
 from dsec.models import ExecRequest, ExecResult, SandboxSpec
 from dsec.testing.faults import FaultInjected, fault_point

@@ -75,7 +75,7 @@ class FsTracker:
     @classmethod
     def restored(cls, store: BlobStore, chain: list[LayerRef], manifest_ref: PartRef | None,
                  in_image: Callable[[str], bool], full_every: int, level: int,
-                 inline: dict[str, str] | None = None) -> "FsTracker":
+                 inline: dict[str, str] | None = None) -> FsTracker:
         manifest: dict = {}
         if manifest_ref is not None:
             raw = zstandard.ZstdDecompressor().decompress(read_part(store, manifest_ref, inline))

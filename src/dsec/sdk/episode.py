@@ -37,7 +37,7 @@ class Episode:
 
     @classmethod
     def open(cls, episode_id: str, image: str = "busybox", *, client: Client | None = None,
-             **sandbox_args: Any) -> "Episode":
+             **sandbox_args: Any) -> Episode:
         c = client or Client.default()
         spec = SandboxSpec(image=image, **sandbox_args)
         info = c._run(Call("POST", f"{_p(episode_id)}/open", lambda r: EpisodeInfo.model_validate_json(r.content),
@@ -85,7 +85,7 @@ class Episode:
         """Destroy the sandbox; the checkpoints stay, so ``open`` with this id resumes."""
         self._c._run(Call("DELETE", _p(self.id), lambda r: None, idempotent=True))
 
-    def __enter__(self) -> "Episode":
+    def __enter__(self) -> Episode:
         return self
 
     def __exit__(self, *exc: object) -> None:

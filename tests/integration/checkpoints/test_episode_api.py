@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import uvicorn
 import zstandard
+from ckpt_agent import make_engine
 from fastapi import FastAPI
 
-from ckpt_agent import make_engine
 from dsec import errors
 from dsec.api.auth import TenantAuth
 from dsec.api.episodes import include_episodes

@@ -18,7 +18,7 @@ from dsec.models import ExecRequest, SandboxSpec
 from dsec.runtime.agent_build import ensure_agent_binary
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "sandbox"))
-from sbx_helpers import SharedEnv, node_settings, start_node, stop_node  # noqa: E402
+from sbx_helpers import SharedEnv, node_settings, start_node, stop_node
 
 pytestmark = pytest.mark.integration
 

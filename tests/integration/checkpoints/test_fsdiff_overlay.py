@@ -8,13 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import tree
 
 from dsec.blobs import LocalBlobStore, put_blob
 from dsec.checkpoints import fsdiff
 from dsec.checkpoints.fsstate import FsTracker, materialize
 from dsec.checkpoints.unit import read_part
-
-from ckpt_helpers import tree
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ def test_crash_mid_put_leaves_old_object(tmp_path, point):
     store.put("k/v", b"old")
     code = (f"from dsec.blobs import LocalBlobStore\n"
             f"LocalBlobStore({str(tmp_path)!r}).put('k/v', b'new' * 100000)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={"DSEC_FAULTS": f"{point}=exit"})
+    proc = subprocess.run([sys.executable, "-c", code], env={"DSEC_FAULTS": f"{point}=exit"}, check=False)
     assert proc.returncode == FAULT_EXIT_CODE
     again = LocalBlobStore(tmp_path)  # reopening cleans orphaned temp files
     assert again.get("k/v") == b"old"

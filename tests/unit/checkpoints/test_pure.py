@@ -8,8 +8,16 @@ import tarfile
 from dsec.blobs import LocalBlobStore
 from dsec.checkpoints import fsdiff, layers
 from dsec.checkpoints.layers import Node
-from dsec.checkpoints.unit import (Compat, UnitMeta, commit_unit, complete_units, list_unit_keys, load_meta,
-                                   put_part, units_to_drop)
+from dsec.checkpoints.unit import (
+    Compat,
+    UnitMeta,
+    commit_unit,
+    complete_units,
+    list_unit_keys,
+    load_meta,
+    put_part,
+    units_to_drop,
+)
 
 D, F = stat.S_IFDIR | 0o755, stat.S_IFREG | 0o644
 
