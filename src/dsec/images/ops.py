@@ -85,6 +85,7 @@ def import_archive(store: "ImageStore", path: Path, name: str | None, progress: 
             names = [normalize_name(name)] if name else (plan.names or [f"{path.name.split('.')[0]}:latest"])
             result = store.register(plan.config, layers, names, plan.manifest)
         assert result is not None
+        evict(store)  # keep the unpacked cache within budget (this import's layers are leased)
         return result
     except BaseException:
         _rollback(store, new_blobs, new_layers, lease)
@@ -250,23 +251,42 @@ def gc(store: "ImageStore", unused_s: float) -> "GcReport":
         with store.locks.hold("layer-" + d):
             report.freed_bytes += store.layers.remove(d)
         report.removed_layers.append(d)
-    # Cache budget over what is left (unpacked dirs only; blobs stay for re-unpack).
+    for d, freed in evict(store, leased, stats, present_layers, now):
+        report.evicted_layers.append(d)
+        report.freed_bytes += freed
+    report.removed_temp = store.layers.clean_temp() + _clean_ingest(store)
+    return report
+
+
+def evict(store: "ImageStore", leased: set[str] | None = None, stats: dict | None = None,  # type: ignore[type-arg]
+          present: dict[str, float] | None = None, now: float | None = None) -> list[tuple[str, int]]:
+    """Apply the cache budget (policy.plan_eviction) to unpacked layer dirs. Blobs stay,
+    so an evicted layer is re-unpacked (and re-verified) on its next use."""
+    now = time.time() if now is None else now
+    leased = store.db.leased_objects() if leased is None else leased
+    if stats is None:
+        stats = {r[0]: (r[1], r[2]) for r in store.db.q("SELECT diff_id, last_used, uses FROM layer_stats")}
     images = [policy.ImageStat(i, lu or ca) for i, lu, ca in store.db.q("SELECT id, last_used, created_at FROM images")]
     owners: dict[str, set[str]] = {}
     for image_id, diff_id in store.db.q("SELECT image_id, diff_id FROM image_layers"):
         owners.setdefault(diff_id, set()).add(image_id)
     lstats = []
     for d in store.layers.all_diff_ids():
-        last, uses = stats.get(d, (present_layers.get(d, now), 0))
-        lstats.append(policy.LayerStat(d, store.layers.unpacked_size(d), uses, last,
-                                       store.layers.dir(d).stat().st_mtime, frozenset(owners.get(d, ()))))
+        try:
+            mtime = store.layers.dir(d).stat().st_mtime
+        except FileNotFoundError:
+            continue
+        last, uses = stats.get(d, ((present or {}).get(d, mtime), 0))
+        lstats.append(policy.LayerStat(d, store.layers.unpacked_size(d), uses, last, mtime,
+                                       frozenset(owners.get(d, ()))))
+    out = []
     for d in policy.plan_eviction(lstats, images, leased, store.settings.image_cache_max_images,
                                   store.max_bytes(), now):
         with store.locks.hold("layer-" + d):
-            report.freed_bytes += store.layers.remove(d)
-        report.evicted_layers.append(d)
-    report.removed_temp = store.layers.clean_temp() + _clean_ingest(store)
-    return report
+            if d in store.db.leased_objects():  # re-check under the lock: a prepare may have leased it
+                continue
+            out.append((d, store.layers.remove(d)))
+    return out
 
 
 def _clean_ingest(store: "ImageStore") -> int:
