@@ -103,6 +103,10 @@ class SandboxFS:
             fd = nfd
         return fd
 
+    def makedirs(self, path: str) -> None:
+        with self._root_fd() as root:
+            os.close(self._mkdirs(root, normalize(path)))
+
     def read(self, path: str, max_bytes: int) -> bytes:
         rel = normalize(path)
         with self._root_fd() as root:

@@ -24,6 +24,7 @@ from dsec.config import Settings, parse_bytes
 from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
 from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
 from dsec.node import cgroups, syscalls
+from dsec.node.files import SandboxFS
 from dsec.node.lifecycle import LIVE_STATES, check_transition, persisted
 from dsec.node.paths import SandboxPaths, sandbox_paths
 from dsec.node.records import RecordStore, SandboxRecord
@@ -203,6 +204,8 @@ class SandboxManager:
         syscalls.mount_tmpfs(str(p.scratch), info.disk, mode=0o700)
         mounts = self.snapshotter.prepare(info.id, rec.spec.image, p.scratch, extra_lower_dirs)
         syscalls.mount_overlay(str(p.rootfs), mounts.lower_dirs, mounts.upper_dir, mounts.work_dir)
+        if rec.workdir != "/":
+            SandboxFS(str(p.rootfs)).makedirs(rec.workdir)  # like a Dockerfile WORKDIR: exists
         netns = None
         if info.network is not None:
             if self.network is None:
@@ -247,7 +250,6 @@ class SandboxManager:
     def _write_hosts(self, p: SandboxPaths, hosts: dict[str, list[str]]) -> None:
         if not hosts:
             return
-        from dsec.node.files import SandboxFS
         fs = SandboxFS(str(p.rootfs))
         lines = ["127.0.0.1 localhost"] + [f"{ip} {name}" for name, ips in hosts.items() for ip in ips]
         fs.write("/etc/hosts", ("\n".join(lines) + "\n").encode())
