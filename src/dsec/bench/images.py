@@ -62,11 +62,11 @@ def _podman(archive: Path, work: Path) -> float:
     base = ["podman", "--root", str(root / "root"), "--runroot", str(runroot), "--storage-driver", "overlay",
             "--events-backend", "none"]
     t0 = time.perf_counter()
-    proc = subprocess.run(base + ["load", "-q", "-i", str(archive)], capture_output=True, text=True)
+    proc = subprocess.run(base + ["load", "-q", "-i", str(archive)], capture_output=True, text=True, check=False)
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"podman load failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    subprocess.run(base + ["system", "reset", "-f"], capture_output=True)
+    subprocess.run(base + ["system", "reset", "-f"], capture_output=True, check=False)
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(runroot, ignore_errors=True)
     return dt

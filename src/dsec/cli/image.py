@@ -6,7 +6,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -41,7 +40,7 @@ def _human(n: float) -> str:
 
 
 @app.command("import")
-def import_(path: Path, name: Optional[str] = typer.Option(None, "--name", help="NAME:TAG to give the image")) -> None:
+def import_(path: Path, name: str | None = typer.Option(None, "--name", help="NAME:TAG to give the image")) -> None:
     """Import an OCI image layout (dir or tar) or a `docker save` archive."""
     from dsec.images.progress import progress_reporter
 
@@ -92,15 +91,15 @@ def rm(refs: list[str]) -> None:
 
 
 @app.command()
-def gc(unused_s: Optional[float] = typer.Option(None, help="Override settings.image_gc_unused_s")) -> None:
+def gc(unused_s: float | None = typer.Option(None, help="Override settings.image_gc_unused_s")) -> None:
     """Delete unreferenced blobs/layers unused for a while; apply the cache budget."""
     report = _store().gc(unused_s)
     typer.echo(report.model_dump_json(indent=2))
 
 
 @app.command()
-def export(ref: str, path: Path, tag: Optional[str] = typer.Option(None, help="Tag in the layout index"),
-           compression: Optional[str] = typer.Option(
+def export(ref: str, path: Path, tag: str | None = typer.Option(None, help="Tag in the layout index"),
+           compression: str | None = typer.Option(
                None, help="Re-encode layers as gzip|zstd|tar (umoci 0.4.7 needs gzip); default: as stored")) -> None:
     """Write an image as an OCI image layout (PATH dir, or PATH.tar)."""
     try:
@@ -125,7 +124,7 @@ def verify(ref: str, deep: bool = typer.Option(False, help="Re-hash every unpack
 
 
 @app.command()
-def build(file: Path = typer.Option(..., "-f", "--file", help="Build spec (YAML)"),
+def build(file: Path = typer.Option(..., "-f", "--file", help="Build spec (YAML)"),  # noqa: B008
           tag: str = typer.Option(..., "-t", "--tag", help="NAME:TAG of the result"),
           backend: str = typer.Option("unshare", help="RUN-step backend: unshare | manager")) -> None:
     """Build an image from a base image plus steps (docs/images.md)."""
@@ -142,7 +141,7 @@ def build(file: Path = typer.Option(..., "-f", "--file", help="Build spec (YAML)
 
 
 @app.command("ensure-stock")
-def ensure_stock(only: Optional[list[str]] = typer.Option(None, "--only", help="busybox and/or python")) -> None:
+def ensure_stock(only: list[str] | None = typer.Option(None, "--only", help="busybox and/or python")) -> None:  # noqa: B008
     """Build the stock images offline if missing (idempotent, fast when present)."""
     from dsec.images.stock import ensure_stock as _ensure
 

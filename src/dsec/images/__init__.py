@@ -13,8 +13,16 @@ from dsec.images.policy import coverage, missing_layers, plan_eviction
 from dsec.images.snapshot import OverlayMounts, Snapshotter
 from dsec.images.store import GcReport, ImageStore
 
-__all__ = ["ImageStore", "Snapshotter", "OverlayMounts", "GcReport", "missing_layers", "coverage",
-           "plan_eviction", "open_store"]
+__all__ = [
+    "GcReport",
+    "ImageStore",
+    "OverlayMounts",
+    "Snapshotter",
+    "coverage",
+    "missing_layers",
+    "open_store",
+    "plan_eviction",
+]
 
 
 def open_store(settings: "object | None" = None) -> ImageStore:

@@ -24,7 +24,7 @@ from dsec.images.fsutil import CHUNK, HashingWriter, check_digest, file_digest, 
 class BlobWriter:
     """A blob being written; ``commit()`` hashes, fsyncs and renames it into place."""
 
-    def __init__(self, store: "ContentStore") -> None:
+    def __init__(self, store: ContentStore) -> None:
         self._store = store
         fd, tmp = tempfile.mkstemp(dir=store.ingest_dir, prefix=f"w{os.getpid()}-")
         self.tmp = Path(tmp)
@@ -104,7 +104,7 @@ class ContentStore:
             w.abort()  # no-op after commit (tmp already renamed)
 
     def ingest(self, stream: BinaryIO, expected: str | None = None, what: str = "blob",
-               progress: "callable | None" = None) -> tuple[str, int]:  # type: ignore[valid-type]
+               progress: callable | None = None) -> tuple[str, int]:  # type: ignore[valid-type]
         """Copy ``stream`` into the store, verifying ``expected`` if given."""
         if expected is not None and self.has(expected):
             self.verify(expected, what)

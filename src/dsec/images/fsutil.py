@@ -73,7 +73,7 @@ def file_digest(path: Path) -> tuple[str, int]:
 class HashingReader:
     """Wraps a binary stream; hashes and counts every byte read through it."""
 
-    def __init__(self, raw: BinaryIO, progress: "callable | None" = None) -> None:  # type: ignore[valid-type]
+    def __init__(self, raw: BinaryIO, progress: callable | None = None) -> None:  # type: ignore[valid-type]
         self._raw = raw
         self._h = hashlib.sha256()
         self.count = 0

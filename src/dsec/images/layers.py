@@ -116,7 +116,7 @@ class LayerCache:
         return None
 
     def ensure(self, diff_id: str, opener: BlobOpener, what: str,
-               progress: "Callable[[int], None] | None" = None) -> tuple[Path, bool]:
+               progress: Callable[[int], None] | None = None) -> tuple[Path, bool]:
         """Make the layer's lower dir present and verified. Returns (fs dir, was_hit)."""
         if self.is_trusted(diff_id):
             return self.fs(diff_id), True
@@ -134,7 +134,7 @@ class LayerCache:
             return self.fs(diff_id), False
 
     def _unpack(self, diff_id: str, opener: BlobOpener, what: str,
-                progress: "Callable[[int], None] | None") -> UnpackResult:
+                progress: Callable[[int], None] | None) -> UnpackResult:
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         (tmp / "fs").mkdir(parents=True)
         try:

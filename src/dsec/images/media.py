@@ -112,7 +112,7 @@ class _PlainSink:
         pass
 
 
-def compressing_writer(raw: BinaryIO, compression: str, level: int = 3) -> "_ZstdSink | _GzipSink | _PlainSink":
+def compressing_writer(raw: BinaryIO, compression: str, level: int = 3) -> _ZstdSink | _GzipSink | _PlainSink:
     if compression == "zstd":
         return _ZstdSink(raw, level)
     if compression == "gzip":

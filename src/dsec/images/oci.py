@@ -49,10 +49,12 @@ class Source:
         if not path.exists():
             raise NotFound(f"image archive {path} does not exist")
         try:
-            self._tar = tarfile.open(path, "r:*")
+            self._tar = tarfile.open(path, "r:*")  # noqa: SIM115 - kept open for random access, see close()
             for m in self._tar.getmembers():
                 self._members[os.path.normpath(m.name).lstrip("/")] = m
         except (tarfile.TarError, EOFError, OSError) as exc:
+            if self._tar is not None:
+                self._tar.close()
             raise ImageError(f"image archive {path}: not a readable tar or layout directory ({exc})") from exc
 
     def exists(self, rel: str) -> bool:
@@ -211,8 +213,7 @@ def normalize_name(ref: str) -> str:
     if not ref or any(c.isspace() for c in ref) or ref.startswith("sha256:"):
         raise InvalidArgument(f"invalid image name {ref!r}: expected NAME[:TAG]")
     for pre in ("docker.io/library/", "localhost/"):
-        if ref.startswith(pre):
-            ref = ref[len(pre):]
+        ref = ref.removeprefix(pre)
     last = ref.rsplit("/", 1)[-1]
     return ref if ":" in last else f"{ref}:latest"
 

@@ -42,7 +42,7 @@ class _Prefixed:
         return self._rest.read(n)
 
 
-def import_archive(store: "ImageStore", path: Path, name: str | None, progress: "Progress | None") -> ImageInfo:
+def import_archive(store: ImageStore, path: Path, name: str | None, progress: Progress | None) -> ImageInfo:
     src, plans = plan_archive(path)
     if name and len(plans) > 1:
         # Several images: --name NAME:TAG picks the one whose tag matches.
@@ -95,7 +95,7 @@ def import_archive(store: "ImageStore", path: Path, name: str | None, progress: 
         src.close()
 
 
-def _rollback(store: "ImageStore", blobs: list[str], layers: list[str], lease: str) -> None:
+def _rollback(store: ImageStore, blobs: list[str], layers: list[str], lease: str) -> None:
     store.release(lease)
     referenced = _referenced(store)
     leased = store.db.leased_objects()
@@ -107,7 +107,7 @@ def _rollback(store: "ImageStore", blobs: list[str], layers: list[str], lease: s
             store.layers.remove(d)
 
 
-def _referenced(store: "ImageStore") -> set[str]:
+def _referenced(store: ImageStore) -> set[str]:
     refs: set[str] = set()
     for image_id, manifest in store.db.q("SELECT id, manifest_digest FROM images"):
         refs.update((image_id, manifest))
@@ -118,7 +118,7 @@ def _referenced(store: "ImageStore") -> set[str]:
     return refs
 
 
-def export(store: "ImageStore", ref: str, path: Path, tag: str | None, compression: str | None = None) -> None:
+def export(store: ImageStore, ref: str, path: Path, tag: str | None, compression: str | None = None) -> None:
     """Write an OCI image layout (directory, or a tar of one when PATH ends in .tar).
 
     ``compression`` (gzip | zstd | tar) re-encodes layers whose compression differs, for
@@ -167,7 +167,7 @@ def _write_blob(dest: Path, data: bytes) -> Path:
     return p
 
 
-def _recompress(store: "ImageStore", info: ImageInfo, manifest: dict, compression: str, dest: Path,  # type: ignore[type-arg]
+def _recompress(store: ImageStore, info: ImageInfo, manifest: dict, compression: str, dest: Path,  # type: ignore[type-arg]
                 blobs: dict[str, Path]) -> tuple[dict, bytes, str]:  # type: ignore[type-arg]
     import json
 
@@ -200,7 +200,7 @@ def _recompress(store: "ImageStore", info: ImageInfo, manifest: dict, compressio
     return new, raw, digest_of(raw)
 
 
-def remove(store: "ImageStore", ref: str) -> list[str]:
+def remove(store: ImageStore, ref: str) -> list[str]:
     """Untag a name (removing the image when it was its last name), or remove by id."""
     image_id = store._resolve_id(ref)
     by_name = not (ref.startswith("sha256:") or ref == image_id[7:7 + len(ref)])
@@ -223,7 +223,7 @@ def remove(store: "ImageStore", ref: str) -> list[str]:
     return [image_id] + names
 
 
-def gc(store: "ImageStore", unused_s: float) -> "GcReport":
+def gc(store: ImageStore, unused_s: float) -> GcReport:
     from dsec.images.store import GcReport
 
     now = time.time()
@@ -258,7 +258,7 @@ def gc(store: "ImageStore", unused_s: float) -> "GcReport":
     return report
 
 
-def evict(store: "ImageStore", leased: set[str] | None = None, stats: dict | None = None,  # type: ignore[type-arg]
+def evict(store: ImageStore, leased: set[str] | None = None, stats: dict | None = None,  # type: ignore[type-arg]
           present: dict[str, float] | None = None, now: float | None = None) -> list[tuple[str, int]]:
     """Apply the cache budget (policy.plan_eviction) to unpacked layer dirs. Blobs stay,
     so an evicted layer is re-unpacked (and re-verified) on its next use."""
@@ -289,7 +289,7 @@ def evict(store: "ImageStore", leased: set[str] | None = None, stats: dict | Non
     return out
 
 
-def _clean_ingest(store: "ImageStore") -> int:
+def _clean_ingest(store: ImageStore) -> int:
     n = 0
     for p in store.content.ingest_dir.iterdir():
         pid = p.name[1:].split("-")[0]
@@ -312,4 +312,4 @@ def safe_rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["import_archive", "export", "remove", "gc", "DSecError"]
+__all__ = ["DSecError", "export", "gc", "import_archive", "remove"]

@@ -15,7 +15,8 @@ from dsec.images.store import Progress
 def progress_reporter(title: str, tty: bool | None = None) -> Iterator[Progress]:
     tty = sys.stderr.isatty() if tty is None else tty
     if tty:
-        from rich.progress import BarColumn, DownloadColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
 
         bars: dict[str, int] = {}
         with RichProgress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),

@@ -66,7 +66,6 @@ def _current(store: ImageStore, name: str, key: str) -> ImageInfo | None:
 
 
 def _add_layer(store: ImageStore, build: Callable[[object], object]) -> LayerInfo:
-    s = store.settings
     with store.content.writer() as w:
         res = build(w)
         digest, size = w.commit(what="stock layer")
@@ -134,7 +133,7 @@ def python_rootfs(store: ImageStore, log: Log = print) -> tuple[Path, str]:
     log(f"mmdebstrap {s.image_stock_suite} (minbase + {', '.join(PYTHON_PACKAGES)}) -> {cache}")
     cmd = ["mmdebstrap", "--variant=minbase", "--include=" + ",".join(PYTHON_PACKAGES), "--format=tar",
            "--skip=output/dev", "--quiet", s.image_stock_suite, str(part), str(sources)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         part.unlink(missing_ok=True)
         raise ImageError(f"mmdebstrap failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
@@ -151,28 +150,34 @@ def _route(name: str) -> int:
     return 0
 
 
+def _norm(name: str) -> str:
+    n = os.path.normpath(name).lstrip("/")
+    return "" if n == "." else n
+
+
 def split_tarball(tarball: Path, sinks: list[object]) -> None:
     """Stream a rootfs tarball into len(sinks) layer tars, routing entries by path.
 
     Directories go to the base layer and, as needed, to the layer of their contents
     (same metadata, so the overlay view is unchanged); hard links follow their target.
     """
-    tars = [tarfile.open(fileobj=s, mode="w|", format=tarfile.PAX_FORMAT) for s in sinks]  # type: ignore[call-overload]
+    tars = [tarfile.open(fileobj=s, mode="w|", format=tarfile.PAX_FORMAT)  # type: ignore[call-overload]  # noqa: SIM115
+            for s in sinks]
     dirs: dict[str, tarfile.TarInfo] = {}
     written: list[set[str]] = [set() for _ in sinks]
     where: dict[str, int] = {}
     with tarfile.open(tarball, "r|") as src:
         for ti in src:
-            name = os.path.normpath(ti.name).lstrip("./") if ti.name not in (".", "./") else ""
+            name = _norm(ti.name)
             if not name or ti.ischr() or ti.isblk():
                 continue
             ti.name = name
             ti.uname = ti.gname = ""
             if ti.isdir():
                 dirs[name] = ti
-            idx = where.get(os.path.normpath(ti.linkname).lstrip("./"), 0) if ti.islnk() else _route(name)
+            idx = where.get(_norm(ti.linkname), 0) if ti.islnk() else _route(name)
             if ti.islnk():
-                ti.linkname = os.path.normpath(ti.linkname).lstrip("./")
+                ti.linkname = _norm(ti.linkname)
             where[name] = idx
             parts = name.split("/")[:-1]
             for i in range(1, len(parts) + 1):
@@ -246,4 +251,4 @@ def ensure_stock(store: ImageStore, only: list[str] | None = None, log: Log = pr
     return out
 
 
-__all__ = ["ensure_stock", "ensure_busybox", "ensure_python", "write_tar"]
+__all__ = ["ensure_busybox", "ensure_python", "ensure_stock", "write_tar"]

@@ -27,11 +27,10 @@ import posixpath
 import shutil
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
-
-import zlib
 
 import zstandard
 
@@ -255,7 +254,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def unpack_stream(raw: BinaryIO, compression: str, dest: Path, what: str,
                   expected_digest: str | None = None, expected_diff_id: str | None = None,
-                  progress: "callable | None" = None) -> UnpackResult:  # type: ignore[valid-type]
+                  progress: callable | None = None) -> UnpackResult:  # type: ignore[valid-type]
     """Unpack one layer stream into the empty directory ``dest``; verify both digests."""
     outer = HashingReader(raw, progress)
     try:

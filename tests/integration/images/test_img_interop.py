@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def sh(*argv: str) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"{argv}: {proc.stderr}"
     return proc.stdout
 

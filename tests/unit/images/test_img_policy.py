@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from dsec.images.policy import (ImageStat, LayerStat, coverage, gc_candidates, keep_score, missing_layers,
-                                plan_eviction)
+from dsec.images.policy import (
+    ImageStat,
+    LayerStat,
+    coverage,
+    gc_candidates,
+    keep_score,
+    missing_layers,
+    plan_eviction,
+)
 
 NOW = 1_000_000.0
 
