@@ -149,7 +149,7 @@ def _markdown(s: dict[str, Any]) -> str:
             ("tool calls / s", s["tool_calls_per_s"]),
             ("sandbox start p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"])),
             ("exec p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"])),
-            ("failures", len(s["errors"]))]
+            ("failed episodes", s["failed"])]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if s["errors"]:
         lines += ["", "## Failures", ""] + [f"- episode {e['episode']} ({e['task']}): {e['error']}"
@@ -178,7 +178,7 @@ def _summary_table(s: dict[str, Any]) -> Table:
     t.add_row("wall time", f"{s['wall_s']:.2f} s ({s['tool_calls_per_s']} calls/s)")
     t.add_row("start latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"]))
     t.add_row("exec latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"]))
-    t.add_row("failures", str(len(s["errors"])), style="red" if s["errors"] else None)
+    t.add_row("failed episodes", str(s["failed"]), style="red" if s["failed"] else None)
     return t
 
 

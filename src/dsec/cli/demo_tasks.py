@@ -100,7 +100,10 @@ async def run_episode(index: int, image: str, run_id: str, client: Any, on_step:
     sb = None
     try:
         t0 = time.perf_counter()
+        # No .pyc: a rewritten solution.py of the same size within the same second would
+        # otherwise be shadowed by its stale bytecode (mtime+size check) — a real agent gotcha.
         sb = await AsyncSandbox.create(image=image, cpu=0.5, memory="256M", timeout=600, client=client,
+                                       env={"PYTHONDONTWRITEBYTECODE": "1"},
                                        labels={"demo": run_id, "task": task})
         res.start_s = time.perf_counter() - t0
         res.sandbox_id = sb.id
@@ -121,6 +124,8 @@ async def run_episode(index: int, image: str, run_id: str, client: Any, on_step:
                 res.passed = True
                 break
             buggy = False  # the agent "reads the failure" and writes the fixed version
+        if not res.passed:
+            res.error = "tests still failing after the fix: " + report.strip().splitlines()[-1][:200]
     except Exception as e:  # noqa: BLE001 - an episode failure is data for the report
         res.error = f"{type(e).__name__}: {e}"[:300]
     finally:
