@@ -221,6 +221,8 @@ class SandboxManager:
                            env=rec.env, netns_path=netns, cgroup_parent=CGROUP_PARENT)
         config = build_config(spec)
         if info.isolation == "gvisor":
+            _gvisor_bind_tmp(config, p.rootfs)
+        if info.isolation == "gvisor":
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             # This runsc ignores a netns path in the spec; it is started inside the slot's
@@ -278,21 +280,11 @@ class SandboxManager:
                 log.exception("before_teardown hook failed for %s", sid)
         try:
             pid = rec.info.pid or _read_pid(p.bundle / "init.pid")
-            if pid and _is_sandbox_init(pid, sid, rec.info.isolation):
-                kill_pid(pid)
-                await asyncio.to_thread(wait_gone, pid, 5.0)
-            await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
             rt = self.runtime(rec.info.isolation)
-            if rt.has_state(sid):
-                await rt.delete(sid, p.log if p.base.exists() else Path(os.devnull))
+            await asyncio.to_thread(_release_kernel_resources, p, rt, pid, rec.info.isolation)
             if self.network is not None:
                 await self.network.detach(sid)
-            for mp in syscalls.mounts_under(str(p.base)):
-                syscalls.umount(mp)
             self.snapshotter.release(sid)
-            p.socket.unlink(missing_ok=True)
-            if p.base.exists():
-                await asyncio.to_thread(shutil.rmtree, p.base)
         except Exception as e:
             log.exception("cleanup of %s failed", sid)
             self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
@@ -355,23 +347,13 @@ class SandboxManager:
         if sock_dir.is_dir():
             found.update(s.stem for s in sock_dir.glob("*.sock") if s.stem not in live)
         for sid in found:
-            for iso in self.isolations:
-                rt = self.runtime(iso)
-                pid = _read_pid(self.paths(sid).bundle / "init.pid")
-                if pid and _is_sandbox_init(pid, sid, iso):
-                    kill_pid(pid)
-                    await asyncio.to_thread(wait_gone, pid, 5.0)
-                if rt.has_state(sid):
-                    await rt.delete(sid, Path(os.devnull))
-            await asyncio.to_thread(cgroups.kill_and_remove, CGROUP_PARENT, sid)
             p = self.paths(sid)
-            for mp in syscalls.mounts_under(str(p.base)):
-                syscalls.umount(mp)
+            pid = _read_pid(p.bundle / "init.pid")
+            for iso in self.isolations:
+                await asyncio.to_thread(_release_kernel_resources, p, self.runtime(iso), pid, iso)
             self.snapshotter.release(sid)
             if self.network is not None:
                 await self.network.detach(sid)
-            p.socket.unlink(missing_ok=True)
-            shutil.rmtree(p.base, ignore_errors=True)
         return len(found)
 
     # --- TTL and liveness ---------------------------------------------------------
@@ -420,6 +402,34 @@ class SandboxManager:
         await asyncio.to_thread(cgroups.set_frozen, CGROUP_PARENT, sandbox_id, False)
 
 
+def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, isolation: str) -> None:
+    """Kill, then remove cgroups, runtime state, mounts, socket and dirs (worker thread).
+
+    One pass with no subprocess: SIGKILL of the init takes its whole pid namespace down;
+    the runtime's state is plain files once its processes are gone (no ``runc delete``).
+    """
+    if pid and _is_sandbox_init(pid, p.sandbox_id, isolation):
+        kill_pid(pid)
+        wait_gone(pid, 5.0)
+    cgroups.kill_and_remove(CGROUP_PARENT, p.sandbox_id)
+    rt.remove_state(p.sandbox_id)
+    for mp in (p.rootfs, p.scratch):
+        try:
+            syscalls.umount(str(mp))
+        except OSError:
+            pass  # not mounted (half-made sandbox) or already gone
+    for mp in syscalls.mounts_under(str(p.base)) if _has_mounts_below(p.base) else ():
+        syscalls.umount(mp)
+    p.socket.unlink(missing_ok=True)
+    if p.base.exists():
+        shutil.rmtree(p.base)
+
+
+def _has_mounts_below(base: Path) -> bool:
+    """Cheap check before the full mountinfo scan: are the known mount points still mounts?"""
+    return any(os.path.ismount(m) for m in (base / "rootfs", base / "scratch"))
+
+
 def _hard_nofile() -> int:
     import resource
     return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -465,6 +475,16 @@ def _gvisor_pids(sandbox_id: str, pid: int) -> list[int]:
                 pids.add(c)
                 todo.append(c)
     return sorted(pids)
+
+
+def _gvisor_bind_tmp(config: dict[str, Any], rootfs: Path) -> None:
+    """runsc mounts an in-memory tmpfs on an empty /tmp unless the spec mounts /tmp; files
+    there would skip the disk quota and be invisible to the host file API and to
+    checkpoints. Binding the rootfs's own /tmp keeps /tmp on the sandbox's writable layer."""
+    tmp = rootfs / "tmp"
+    if tmp.is_dir() and not tmp.is_symlink():
+        config["mounts"].append({"destination": "/tmp", "type": "bind", "source": str(tmp),
+                                 "options": ["rbind", "rw", "nosuid", "nodev"]})
 
 
 def _tail(path: Path, n: int = 800) -> str:

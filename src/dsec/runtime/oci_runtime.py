@@ -123,6 +123,22 @@ class OciRuntime:
             return
         await spawn([*self._base(), "delete", "--force", sandbox_id], log_path)
 
+    def remove_state(self, sandbox_id: str) -> None:
+        """Drop the runtime's record of a container whose processes are all dead.
+
+        Equivalent to ``delete`` once the caller has killed the container and removed
+        its cgroups, without the ~15 ms of starting the runtime binary.
+        """
+        if self.name == "runsc":
+            for p in self.state_root.glob(f"*_sandbox:{sandbox_id}.*"):
+                p.unlink(missing_ok=True)
+            return
+        state = self.state_root / sandbox_id
+        if state.is_dir():
+            for child in state.iterdir():
+                child.unlink(missing_ok=True)
+            state.rmdir()
+
     def has_state(self, sandbox_id: str) -> bool:
         return sandbox_id in self.list_ids()
 
