@@ -22,7 +22,13 @@ sched_yield sched_getaffinity sched_setaffinity sched_getparam sched_setparam
 sched_getscheduler sched_setscheduler sched_get_priority_max sched_get_priority_min
 sched_rr_get_interval sched_getattr sched_setattr getpriority setpriority prctl arch_prctl
 rseq capget capset getrlimit setrlimit prlimit64 getrusage times uname sysinfo
-getcpu membarrier pidfd_open pidfd_send_signal pidfd_getfd
+getcpu membarrier pidfd_open pidfd_send_signal pidfd_getfd getrandom ioprio_get ioprio_set
+"""
+
+# Self-restriction: programs that sandbox themselves (browsers, test harnesses) can only
+# narrow what they may do; with no_new_privs these never widen anything.
+_SELF_RESTRICT = """
+seccomp landlock_create_ruleset landlock_add_rule landlock_restrict_self
 """
 
 # Identity: pip/apt/git drop and switch users; without CAP_SETUID these only narrow.
@@ -81,7 +87,7 @@ ptrace process_vm_readv process_vm_writev kcmp
 """
 
 ALLOWED_SYSCALLS: tuple[str, ...] = tuple(
-    sorted(set(" ".join([_PROCESS, _IDENTITY, _MEMORY, _FILES, _EVENTS, _NETWORK, _IPC, _DEBUG]).split()))
+    sorted(set(" ".join([_PROCESS, _SELF_RESTRICT, _IDENTITY, _MEMORY, _FILES, _EVENTS, _NETWORK, _IPC, _DEBUG]).split()))
 )
 
 # Never allowed, listed so tests can assert they stay closed.
