@@ -131,6 +131,7 @@ class Settings(BaseSettings):
     place_spread: float = Field(0.02, description="Score penalty per sandbox already placed on a node this batch")
     locality_candidates: int = Field(16, description="Nodes holding the image sampled as candidates (large clusters)")
     warm_pool_refill_s: float = Field(5.0, description="Demand bucket = time to rebuild a pool member")
+    warm_pool_trim_factor: float = Field(1.5, description="Destroy surplus members only beyond target x this")
     warm_pool_plan_interval_s: float = Field(30.0, description="Full pool plan (expiry, shrink) period")
     warm_pool_max_per_tenant: int = Field(512, description="Max warm sandboxes one tenant's demand may ask for")
     warm_pool_max_total: int = Field(100000, description="Max warm sandboxes cluster-wide")

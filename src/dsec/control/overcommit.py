@@ -23,7 +23,7 @@ class UsageWindow:
     """Usage fraction samples of one node (0..1 of capacity, may exceed 1 when overloaded)."""
 
     __slots__ = ("window_s", "predict_s", "factor", "_recent", "_recent_sum", "_buckets",
-                 "_bucket_s", "_nbuckets")
+                 "_bucket_s", "_nbuckets", "_sum", "_n")
 
     def __init__(self, window_s: float, predict_s: float, factor: float) -> None:
         if window_s <= 0 or predict_s < window_s:
@@ -37,6 +37,8 @@ class UsageWindow:
         self._bucket_s = window_s
         self._nbuckets = max(1, round(predict_s / window_s))
         self._buckets: dict[int, list[float]] = {}
+        self._sum = 0.0  # running totals over the live buckets
+        self._n = 0.0
 
     @classmethod
     def from_settings(cls, s: Settings) -> UsageWindow:
@@ -53,17 +55,19 @@ class UsageWindow:
         if cell is None:
             self._buckets[b] = cell = [0.0, 0.0]
             for old in [k for k in self._buckets if k <= b - self._nbuckets]:
-                del self._buckets[old]
+                gone = self._buckets.pop(old)
+                self._sum -= gone[0]
+                self._n -= gone[1]
         cell[0] += frac
         cell[1] += 1
+        self._sum += frac
+        self._n += 1
 
     def recent_mean(self) -> float:
         return self._recent_sum / len(self._recent) if self._recent else 0.0
 
     def long_mean(self) -> float:
-        total = sum(c[0] for c in self._buckets.values())
-        n = sum(c[1] for c in self._buckets.values())
-        return total / n if n else 0.0
+        return max(0.0, self._sum / self._n) if self._n else 0.0
 
     def predicted(self) -> float:
         return max(self.recent_mean(), self.long_mean() * self.factor)

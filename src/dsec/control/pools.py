@@ -32,6 +32,7 @@ class PoolBook:
         self.next_plan = 0.0
         self._seq = 0
         self.destroyed: dict[str, int] = {}
+        self.misses = {"cold": 0, "empty": 0}  # shape had no target yet / pool ran dry
 
     def size(self) -> int:
         return sum(len(v) for v in self.free.values())
@@ -40,6 +41,7 @@ class PoolBook:
         lst = self.free.get(req.shape)
         if not lst:
             self.dirty.add(req.shape)
+            self.misses["empty" if self.targets.get(req.shape) else "cold"] += 1
             return None
         nodes = self.sched.cluster.nodes
         for i in range(len(lst) - 1, -1, -1):

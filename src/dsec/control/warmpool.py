@@ -9,7 +9,7 @@ that peak x ``warm_pool_factor`` (rounded up). One tenant's demand counts at mos
 members, and placement keeps at most ``warm_pool_max_per_node`` per node.
 
 Members expire when idle longer than ``warm_pool_max_idle_s`` or when their image's
-version changed; expired or surplus members are destroyed and (if still wanted)
+version changed; members beyond ``warm_pool_trim_factor`` x target are trimmed; expired or surplus members are destroyed and (if still wanted)
 rebuilt by the next plan. A member's TTL starts when it is handed to a user.
 """
 
@@ -137,7 +137,10 @@ def plan_pools(now: float, targets: dict[Shape, int], members: Mapping[Shape, Se
                 plan.destroy.append((m.sandbox_id, "idle_expired"))
             else:
                 keep.append(m)
-        surplus = len(keep) + inflight.get(shape, 0) - want
+        have = len(keep) + inflight.get(shape, 0)
+        # Hysteresis: a target that dips for a moment must not destroy members that the
+        # next peak rebuilds (pull + start for nothing); trim only well above target.
+        surplus = have - math.floor(want * s.warm_pool_trim_factor) if have > want else have - want
         if surplus > 0:
             keep.sort(key=lambda m: m.started_at)
             for m in keep[:surplus]:

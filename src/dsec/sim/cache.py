@@ -19,7 +19,7 @@ EvictFn = Callable[..., list[str]]
 
 class SimLayerCache:
     __slots__ = ("max_images", "max_bytes", "slack", "sizes", "uses", "first", "last", "layer_images",
-                 "image_last", "image_layers", "pins", "bytes", "evict_fn")
+                 "image_last", "image_layers", "pins", "bytes", "evict_fn", "floor")
 
     def __init__(self, max_images: int, max_bytes: int, slack: int = 4, evict_fn: EvictFn = plan_eviction):
         self.max_images, self.max_bytes, self.slack = max_images, max_bytes, slack
@@ -33,6 +33,9 @@ class SimLayerCache:
         self.pins: dict[str, int] = {}  # layer -> running/pooled sandboxes using it
         self.bytes = 0
         self.evict_fn = evict_fn
+        # Image count after the last eviction: pinned layers can keep it above max_images,
+        # and re-planning before it grows again would only find the same pins.
+        self.floor = max_images
 
     def use(self, image: str, layers: tuple[tuple[str, int], ...], now: float) -> tuple[int, int, list[str]]:
         """A sandbox of ``image`` starts: returns (layers hit, bytes pulled, layers added)."""
@@ -66,7 +69,7 @@ class SimLayerCache:
                 self.pins.pop(d, None)
 
     def maybe_evict(self, now: float) -> list[str]:
-        if len(self.image_last) <= self.max_images + self.slack and self.bytes <= self.max_bytes:
+        if len(self.image_last) <= self.floor + self.slack and self.bytes <= self.max_bytes:
             return []
         stats = [LayerStat(d, sz, self.uses[d], self.last[d], self.first[d], frozenset(self.layer_images[d]))
                  for d, sz in self.sizes.items()]
@@ -77,9 +80,8 @@ class SimLayerCache:
             del self.uses[d], self.first[d], self.last[d]
             for img in self.layer_images.pop(d):
                 self.image_last.pop(img, None)
-        # An image is "cached" while any of its layers is; forget images with none left.
-        for img in [i for i in self.image_last if not any(d in self.sizes for d, _ in self.image_layers[i])]:
-            del self.image_last[img]
+        # An image counts as cached only while all its layers are (dropped above).
+        self.floor = max(self.max_images, len(self.image_last))
         return gone
 
     def clear(self) -> None:
@@ -87,3 +89,4 @@ class SimLayerCache:
                   self.image_layers, self.pins):
             m.clear()
         self.bytes = 0
+        self.floor = self.max_images

@@ -327,5 +327,7 @@ def _summary(cfg: SimConfig, policy: str, sched: Scheduler, m: dict, waits: arra
         "preemptions": st["preemptions"], "pool_evictions": st["evictions"],
         "rejected_429": m["resubmits_429"], "failed_requests": m["failed"], "retries": st["retries"],
         "node_failures": m["node_failures"], "sandboxes_lost_to_node_failures": m["lost"],
+        "pool_misses": dict(sched.pools.misses) if sched.pools else {},
+        "pool_destroyed": dict(sched.pools.destroyed) if sched.pools else {},
         "series": series,
     }

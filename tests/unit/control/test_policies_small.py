@@ -155,3 +155,11 @@ def test_select_victims_prefers_node_with_fewest_running_victims() -> None:
            "hot": {"q": _running("q", LOW, 0, pool=True)}}
     node, v = select_victims(req("h", cpu=4, priority=HIGH), [hot, a, b], res, 1.0, 0.85, True)  # type: ignore[misc]
     assert node.node_id == "b" and [r.sandbox_id for r in v] == ["p"]
+
+
+def test_plan_trims_only_beyond_hysteresis() -> None:
+    """A target dipping a little below the pool size destroys nothing (no rebuild churn)."""
+    s = settings(warm_pool_trim_factor=1.5)
+    ms = [Member(f"m{i}", "n", SHAPE, 10.0 + i, "v1") for i in range(5)]
+    assert plan_pools(20.0, {SHAPE: 4}, {SHAPE: ms}, {}, {"img": "v1"}, s).destroy == []
+    assert [d for d, _ in plan_pools(20.0, {SHAPE: 2}, {SHAPE: ms}, {}, {"img": "v1"}, s).destroy] == ["m0", "m1"]
