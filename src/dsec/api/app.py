@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from dsec import __version__
 from dsec.api import routes_admin, routes_files, routes_sandboxes
@@ -75,5 +76,29 @@ def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
     app.include_router(routes_admin.images)
     app.include_router(routes_admin.tenants)
     app.include_router(routes_admin.system)
+    # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
+    # method and a matching path, so order does not change which route answers).
+    app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))
     app.add_middleware(RequestMetrics, metrics=services.metrics)
+    app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app
+
+
+_HOT = {p: i for i, p in enumerate([
+    "/v1/sandboxes/{sandbox_id}/exec", "/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}",
+    "/health", "/v1/sandboxes/{sandbox_id}/exec/stream", "/v1/sandboxes"])}
+
+
+def _openapi_with_bearer(app: FastAPI) -> dict[str, Any]:
+    """Declare the bearer token scheme once (auth is one dependency, not a per-route scheme)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "Tenant API token (`dsec tenant add NAME`; DSEC_HOME/token locally)"}}
+        schema["security"] = [{"bearer": []}]
+        for path in ("/health", "/metrics"):
+            for op in schema["paths"].get(path, {}).values():
+                op["security"] = []
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from dsec.api.services import Services
 from dsec.errors import PayloadTooLarge
@@ -14,20 +14,28 @@ from dsec.state.store import TenantRecord
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 PATH_PATTERN = r"^/[^\x00]*$"
 
-_bearer = HTTPBearer(auto_error=False, description="Tenant API token (`dsec tenant add NAME`)")
+
+
+@dataclass(slots=True)
+class RequestContext:
+    svc: Services
+    tenant: TenantRecord
 
 
 async def services(request: Request) -> Services:
     return request.app.state.services
 
 
-async def tenant(request: Request,
-                 _cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> TenantRecord:
-    return request.app.state.services.auth.authenticate(request.headers.get("authorization"))
+async def context(request: Request) -> RequestContext:
+    """ONE dependency per request (each FastAPI dependency costs ~50 µs to solve).
+
+    The bearer scheme is declared in the OpenAPI document by ``create_app``."""
+    svc: Services = request.app.state.services
+    return RequestContext(svc, svc.auth.authenticate(request.headers.get("authorization")))
 
 
 Svc = Annotated[Services, Depends(services)]
-Tenant = Annotated[TenantRecord, Depends(tenant)]
+Ctx = Annotated[RequestContext, Depends(context)]
 SandboxId = Annotated[str, Path(pattern=ID_PATTERN, description="Sandbox id")]
 FilePath = Annotated[str, Query(min_length=1, max_length=4096, pattern=PATH_PATTERN,
                                 description="Absolute path inside the sandbox")]

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 
 from dsec import __version__
 from dsec.api.auth import require_admin
-from dsec.api.deps import RAW_BODY, Svc, Tenant, read_body_limited
+from dsec.api.deps import RAW_BODY, Ctx, Svc, read_body_limited
 from dsec.api.schemas import (
     TENANT_NAME_PATTERN,
     Health,
@@ -45,13 +45,15 @@ def _visible(t: Any, info: ImageInfo) -> bool:
 
 
 @images.get("", response_model=list[ImageInfo], summary="Images this tenant may use")
-async def list_images(svc: Svc, t: Tenant) -> list[ImageInfo]:
+async def list_images(ctx: Ctx) -> list[ImageInfo]:
+    svc, t = ctx.svc, ctx.tenant
     found = await asyncio.to_thread(_store(svc).list)
     return [i for i in found if _visible(t, i)]
 
 
 @images.get("/{ref:path}", response_model=ImageInfo)
-async def get_image(ref: ImageRef, svc: Svc, t: Tenant) -> ImageInfo:
+async def get_image(ref: ImageRef, ctx: Ctx) -> ImageInfo:
+    svc, t = ctx.svc, ctx.tenant
     info = await asyncio.to_thread(_store(svc).resolve, ref)
     if not _visible(t, info):
         raise NotFound(f"image {ref!r} not found (or not allowed for tenant {t.name!r})", image=ref)
@@ -60,8 +62,9 @@ async def get_image(ref: ImageRef, svc: Svc, t: Tenant) -> ImageInfo:
 
 @images.post("/import", response_model=ImageInfo, status_code=201, openapi_extra=RAW_BODY,
              summary="Import an OCI layout / docker-save archive (admin)")
-async def import_image(request: Request, svc: Svc, t: Tenant,
+async def import_image(request: Request, ctx: Ctx,
                        name: Annotated[str, Query(min_length=1, max_length=256)]) -> ImageInfo:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     data = await read_body_limited(request, svc.settings.max_upload_bytes)
     fd, tmp = tempfile.mkstemp(dir=svc.tmp_dir, suffix=".tar")
@@ -75,7 +78,8 @@ async def import_image(request: Request, svc: Svc, t: Tenant,
 
 
 @images.post("/build", response_model=ImageInfo, status_code=201, summary="Build an image (admin)")
-async def build_image(req: ImageBuildRequest, svc: Svc, t: Tenant) -> ImageInfo:
+async def build_image(req: ImageBuildRequest, ctx: Ctx) -> ImageInfo:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     store = _store(svc)
     return await asyncio.to_thread(_build, store, req, svc.tmp_dir)
@@ -95,14 +99,16 @@ def _build(store: Any, req: ImageBuildRequest, tmp: FsPath) -> ImageInfo:
 
 
 @images.delete("/{ref:path}", status_code=204, summary="Remove an image (admin)")
-async def remove_image(ref: ImageRef, svc: Svc, t: Tenant) -> Response:
+async def remove_image(ref: ImageRef, ctx: Ctx) -> Response:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     await asyncio.to_thread(_store(svc).remove, ref)
     return Response(status_code=204)
 
 
 @tenants.post("", response_model=TenantCreated, status_code=201, summary="Create a tenant; returns its token once")
-async def add_tenant(req: TenantCreate, svc: Svc, t: Tenant) -> TenantCreated:
+async def add_tenant(req: TenantCreate, ctx: Ctx) -> TenantCreated:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     if svc.state.get_tenant(req.name) is not None:
         raise Conflict(f"tenant {req.name!r} already exists; remove it first or pick another name", tenant=req.name)
@@ -113,13 +119,15 @@ async def add_tenant(req: TenantCreate, svc: Svc, t: Tenant) -> TenantCreated:
 
 
 @tenants.get("", response_model=list[TenantInfo])
-async def list_tenants(svc: Svc, t: Tenant) -> list[TenantInfo]:
+async def list_tenants(ctx: Ctx) -> list[TenantInfo]:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     return [TenantInfo.of(r) for r in svc.state.list_tenants()]
 
 
 @tenants.delete("/{name}", status_code=204, summary="Remove a tenant and kill its sandboxes")
-async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)], svc: Svc, t: Tenant) -> Response:
+async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)], ctx: Ctx) -> Response:
+    svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     if name == t.name:
         raise Conflict(f"refusing to remove tenant {name!r}: it is the one making this request")
@@ -135,14 +143,16 @@ async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)],
 
 
 @tenants.get("/me", response_model=TenantInfo, summary="The tenant this token belongs to")
-async def whoami(t: Tenant) -> TenantInfo:
+async def whoami(ctx: Ctx) -> TenantInfo:
+    t = ctx.tenant
     return TenantInfo.of(t)
 
 
-@system.get("/health", response_model=Health, summary="Liveness (no auth)")
-async def health(svc: Svc) -> Health:
-    return Health(status="ok", version=__version__, node=getattr(svc.node, "node_id", None),
-                  sandboxes=len(await svc.node.list()), uptime_s=round(time.time() - svc.started_at, 3))
+@system.get("/health", response_model=Health, summary="Liveness (no auth); O(1), safe to probe often")
+async def health(svc: Svc) -> Response:
+    body = Health(status="ok", version=__version__, node=getattr(svc.node, "node_id", None),
+                  uptime_s=round(time.time() - svc.started_at, 3))
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 @system.get("/metrics", summary="Prometheus metrics (no auth)", response_class=Response,

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
-from dsec.api.deps import SandboxId, Svc, Tenant
+from dsec.api.deps import Ctx, SandboxId
 from dsec.api.schemas import (
     AuditEntry,
     BulkKillRequest,
@@ -35,41 +35,48 @@ def parse_label_filter(items: list[str]) -> dict[str, str]:
 
 
 @router.post("", response_model=SandboxInfo, status_code=201, summary="Create a sandbox (idempotent by request_id)")
-async def create(spec: SandboxSpec, svc: Svc, t: Tenant) -> SandboxInfo:
+async def create(spec: SandboxSpec, ctx: Ctx) -> SandboxInfo:
+    svc, t = ctx.svc, ctx.tenant
     return await svc.sandboxes.create(t, spec)
 
 
 @router.get("", response_model=list[SandboxInfo], summary="List own sandboxes, filtered by labels")
-async def list_(svc: Svc, t: Tenant,
+async def list_(ctx: Ctx,
                 label: Annotated[list[str], Query(max_length=64, description="key=value, repeatable")] = []
                 ) -> list[SandboxInfo]:
+    svc, t = ctx.svc, ctx.tenant
     return await svc.sandboxes.list(t, parse_label_filter(label))
 
 
 @router.post("/kill", response_model=BulkKillResult, summary="Kill every own sandbox matching all labels")
-async def bulk_kill(req: BulkKillRequest, svc: Svc, t: Tenant) -> BulkKillResult:
+async def bulk_kill(req: BulkKillRequest, ctx: Ctx) -> BulkKillResult:
+    svc, t = ctx.svc, ctx.tenant
     return BulkKillResult(killed=await svc.sandboxes.kill_by_labels(t, req.labels))
 
 
 @router.get("/{sandbox_id}", response_model=SandboxInfo)
-async def get(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> SandboxInfo:
-    return await svc.sandboxes.get(t, sandbox_id)
+async def get(sandbox_id: SandboxId, ctx: Ctx) -> Response:
+    info = await ctx.svc.sandboxes.get(ctx.tenant, sandbox_id)
+    return Response(info.model_dump_json(), media_type="application/json")  # skip re-validation: hot path
 
 
 @router.delete("/{sandbox_id}", status_code=204, summary="Kill a sandbox (nothing is left behind)")
-async def kill(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> Response:
+async def kill(sandbox_id: SandboxId, ctx: Ctx) -> Response:
+    svc, t = ctx.svc, ctx.tenant
     await svc.sandboxes.kill(t, sandbox_id)
     return Response(status_code=204)
 
 
 @router.put("/{sandbox_id}/timeout", response_model=SandboxInfo, summary="Set the wall timeout from now")
-async def set_timeout(sandbox_id: SandboxId, req: TimeoutRequest, svc: Svc, t: Tenant) -> SandboxInfo:
+async def set_timeout(sandbox_id: SandboxId, req: TimeoutRequest, ctx: Ctx) -> SandboxInfo:
+    svc, t = ctx.svc, ctx.tenant
     return await svc.sandboxes.set_timeout(t, sandbox_id, req.timeout)
 
 
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command and wait for it")
-async def exec_(sandbox_id: SandboxId, req: ExecRequest, svc: Svc, t: Tenant) -> ExecResult:
-    return await svc.sandboxes.exec(t, sandbox_id, req)
+async def exec_(sandbox_id: SandboxId, req: ExecRequest, ctx: Ctx) -> Response:
+    res = await ctx.svc.sandboxes.exec(ctx.tenant, sandbox_id, req)
+    return Response(res.model_dump_json(), media_type="application/json")  # skip re-validation: hot path
 
 
 def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
@@ -84,7 +91,8 @@ def _ndjson(events: AsyncIterator[ExecEvent]) -> AsyncIterator[bytes]:
 
 @router.post("/{sandbox_id}/exec/stream", summary="Run a command, streaming output as NDJSON ExecEvents",
              responses={200: {"content": {"application/x-ndjson": {}}}})
-async def exec_stream(sandbox_id: SandboxId, req: ExecRequest, svc: Svc, t: Tenant) -> StreamingResponse:
+async def exec_stream(sandbox_id: SandboxId, req: ExecRequest, ctx: Ctx) -> StreamingResponse:
+    svc, t = ctx.svc, ctx.tenant
     if req.background:
         raise InvalidArgument("background=true cannot be streamed; use POST /exec", field="background")
     events = await svc.sandboxes.exec_stream(t, sandbox_id, req)
@@ -92,19 +100,21 @@ async def exec_stream(sandbox_id: SandboxId, req: ExecRequest, svc: Svc, t: Tena
 
 
 @router.get("/{sandbox_id}/processes", response_model=list[BackgroundProcess])
-async def processes(sandbox_id: SandboxId, svc: Svc, t: Tenant) -> list[BackgroundProcess]:
+async def processes(sandbox_id: SandboxId, ctx: Ctx) -> list[BackgroundProcess]:
+    svc, t = ctx.svc, ctx.tenant
     return await svc.sandboxes.processes(t, sandbox_id)
 
 
 @router.post("/{sandbox_id}/processes/{pid}/signal", status_code=204)
 async def signal(sandbox_id: SandboxId, pid: Annotated[int, Path(ge=1, le=2**22)], req: SignalRequest,
-                 svc: Svc, t: Tenant) -> Response:
-    await svc.sandboxes.kill_process(t, sandbox_id, pid, req.signal)
+                 ctx: Ctx) -> Response:
+    await ctx.svc.sandboxes.kill_process(ctx.tenant, sandbox_id, pid, req.signal)
     return Response(status_code=204)
 
 
 @router.get("/{sandbox_id}/audit", response_model=list[AuditEntry],
             summary="Audit log (commands, files written); kept after death for the retention period")
-async def audit(sandbox_id: SandboxId, svc: Svc, t: Tenant,
+async def audit(sandbox_id: SandboxId, ctx: Ctx,
                 limit: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> list[AuditEntry]:
+    svc, t = ctx.svc, ctx.tenant
     return [AuditEntry(**e) for e in await svc.sandboxes.audit_log(t, sandbox_id, limit)]

@@ -69,7 +69,6 @@ class Health(BaseModel):
     status: str
     version: str
     node: str | None
-    sandboxes: int
     uptime_s: float
 
 
