@@ -15,7 +15,7 @@ from dsec.config import Settings
 
 
 class Backpressure:
-    __slots__ = ("capacity", "high", "low", "active", "incidents")
+    __slots__ = ("active", "capacity", "high", "incidents", "low")
 
     def __init__(self, s: Settings) -> None:
         if not 0 < s.queue_low_watermark < s.queue_high_watermark <= 1:

@@ -118,7 +118,7 @@ class SchedulerDriver:
             raise SandboxFailure(f"request {request_id!r} failed: {t.error}")
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Timeout(f"request {request_id!r} not placed within {timeout}s; it stays queued "
                           f"(position {self.sched.ticket(request_id).position})") from None
 
@@ -164,7 +164,7 @@ class SchedulerDriver:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.s.batch_window_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             # Gather requests arriving within one window into the next batch.
             await asyncio.sleep(self.s.batch_window_s if len(self.sched.queues) else 0)

@@ -22,8 +22,18 @@ from dsec.control.types import Node, Request
 class UsageWindow:
     """Usage fraction samples of one node (0..1 of capacity, may exceed 1 when overloaded)."""
 
-    __slots__ = ("window_s", "predict_s", "factor", "_recent", "_recent_sum", "_buckets",
-                 "_bucket_s", "_nbuckets", "_sum", "_n")
+    __slots__ = (
+        "_bucket_s",
+        "_buckets",
+        "_n",
+        "_nbuckets",
+        "_recent",
+        "_recent_sum",
+        "_sum",
+        "factor",
+        "predict_s",
+        "window_s",
+    )
 
     def __init__(self, window_s: float, predict_s: float, factor: float) -> None:
         if window_s <= 0 or predict_s < window_s:

@@ -20,7 +20,7 @@ def backoff_s(attempt: int, s: Settings) -> float:
 
 
 class RetryBudget:
-    __slots__ = ("ratio", "firsts", "retries", "min_retries")
+    __slots__ = ("firsts", "min_retries", "ratio", "retries")
 
     def __init__(self, s: Settings, min_retries: int = 10) -> None:
         self.ratio = s.retry_budget_ratio

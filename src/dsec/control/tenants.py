@@ -133,8 +133,7 @@ class TenantQueues:
                 if not t.admits(head):
                     continue
                 eff = cls - int((now - head.submitted_at) / aging) if aging > 0 else cls
-                if eff < 0:
-                    eff = 0
+                eff = max(eff, 0)
                 if share < 0:
                     share = self._share(t)
                 key = (eff, share, head.submitted_at)

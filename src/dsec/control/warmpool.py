@@ -4,7 +4,7 @@ Demand signal: acquisitions (requests of a shape, hit or miss) per bucket of
 ``warm_pool_refill_s`` -- the time a taken member needs to be rebuilt. The peak bucket
 over ``warm_pool_window_s`` is the peak number of members wanted at once before
 replacements arrive (Little's law: concurrency = rate x rebuild time), and the target is
-that peak x ``warm_pool_factor`` (rounded up). One tenant's demand counts at most
+that peak x ``warm_pool_factor`` (rounded, at least 1). One tenant's demand counts at most
 ``warm_pool_max_per_tenant`` per bucket, the cluster keeps at most ``warm_pool_max_total``
 members, and placement keeps at most ``warm_pool_max_per_node`` per node.
 
@@ -27,7 +27,7 @@ from dsec.control.types import Running, Shape
 class _Demand:
     """Sliding-window maximum of per-bucket acquisition counts (monotonic deque, O(1))."""
 
-    __slots__ = ("bucket", "count", "per_tenant", "maxq")
+    __slots__ = ("bucket", "count", "maxq", "per_tenant")
 
     def __init__(self, bucket: int) -> None:
         self.bucket = bucket
@@ -73,6 +73,11 @@ class PoolDemand:
             d.per_tenant[tenant] = n + 1
             d.count += 1
 
+    def _size(self, peak: int) -> int:
+        # Rounded, not ceiled: a shape seen once per bucket gets 1 member, not 2 (the tail of
+        # a Zipf image mix is hundreds of such shapes, each a rebuild per window).
+        return max(1, round(peak * self.factor)) if peak else 0
+
     def target(self, now: float, shape: Shape) -> int:
         """Current target of one shape (O(1)); used between full plans."""
         d = self.shapes.get(shape)
@@ -83,7 +88,7 @@ class PoolDemand:
             d.close()
             d.bucket, d.count = b, 0
             d.per_tenant.clear()
-        return math.ceil(d.peak(b, self.nbuckets) * self.factor)
+        return self._size(d.peak(b, self.nbuckets))
 
     def targets(self, now: float) -> dict[Shape, int]:
         """Pool size per shape; shapes with no demand in the window get 0 and are forgotten."""
@@ -98,7 +103,7 @@ class PoolDemand:
             if p == 0:
                 del self.shapes[shape]
                 continue
-            out[shape] = math.ceil(p * self.factor)
+            out[shape] = self._size(p)
         total = sum(out.values())
         if total > self.max_total:
             scale = self.max_total / total

@@ -18,8 +18,22 @@ EvictFn = Callable[..., list[str]]
 
 
 class SimLayerCache:
-    __slots__ = ("max_images", "max_bytes", "slack", "sizes", "uses", "first", "last", "layer_images",
-                 "image_last", "image_layers", "pins", "bytes", "evict_fn", "floor")
+    __slots__ = (
+        "bytes",
+        "evict_fn",
+        "first",
+        "floor",
+        "image_last",
+        "image_layers",
+        "last",
+        "layer_images",
+        "max_bytes",
+        "max_images",
+        "pins",
+        "sizes",
+        "slack",
+        "uses",
+    )
 
     def __init__(self, max_images: int, max_bytes: int, slack: int = 4, evict_fn: EvictFn = plan_eviction):
         self.max_images, self.max_bytes, self.slack = max_images, max_bytes, slack

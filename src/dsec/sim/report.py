@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 ROWS = [
     ("queue_wait_p50_s", "queue wait p50 (s)", "{:.3f}"),

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import random
 
-from dsec.control.placement import ClusterView, IndexedSet, K8sPolicy, LeastLoadedPolicy, OursPolicy, RandomPolicy
+from dsec.control.placement import (
+    ClusterView,
+    IndexedSet,
+    K8sPolicy,
+    LeastLoadedPolicy,
+    OursPolicy,
+    RandomPolicy,
+)
 from dsec.control.types import Image, Node
 
 from .helpers import GIB, MIB, req, settings
