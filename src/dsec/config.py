@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     api_shutdown_grace_s: float = Field(10.0, description="Graceful shutdown: wait this long for requests")
     api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
+    api_scheduler: bool = Field(False, description="Creates go through the control-plane scheduler driver")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 
@@ -89,6 +90,7 @@ class Settings(BaseSettings):
     image_stock_suite: str = Field("bookworm", description="Debian suite of the stock python image")
     image_build_step_timeout_s: float = Field(1800.0, description="Wall timeout of one RUN build step")
     image_build_output_max_bytes: int = Field(1024 * 1024, description="RUN step output kept (tail) per step")
+    layer_import_threads: int = Field(2, description="zstd worker threads compressing uncompressed layers on import")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")

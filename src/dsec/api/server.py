@@ -68,7 +68,24 @@ def build_embedded(settings: Settings) -> Services:
     settings.home.mkdir(parents=True, exist_ok=True)
     state = SqliteStateStore(settings.home / "state.db")
     node = LocalNodeAgent(settings)
-    return Services.build(settings, node, state, images=getattr(node, "images", None))
+    images = getattr(node, "images", None)
+    services = Services.build(settings, node, state, images=images)
+    if settings.api_scheduler:
+        services.attach_scheduler(_scheduler(settings, node, images))
+    return services
+
+
+def _scheduler(settings: Settings, node: Any, images: Any) -> Any:
+    """The control plane: tenant queues, placement, warm pools, backpressure (dsec.control)."""
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+
+    def resolve(ref: str) -> tuple[list[tuple[str, int]], str]:
+        info = images.resolve(ref)
+        return [(li.digest, li.size) for li in info.layers], info.id
+
+    return SchedulerDriver(Scheduler(settings), {node.node_id: node}, settings,
+                           image_resolver=resolve if images is not None else None)
 
 
 def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level: str = "info") -> Any:

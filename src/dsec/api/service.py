@@ -27,7 +27,12 @@ from dsec.node.api import ExecEvent, NodeAgent
 from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
 
 Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]
-"""(spec, sandbox_id, tenant) -> SandboxInfo: where a validated create is placed."""
+"""(spec, sandbox_id, tenant) -> SandboxInfo: where a validated create is placed. The
+returned id may differ from ``sandbox_id`` (a warm-pool member handed over)."""
+Destroyer = Callable[[str], Awaitable[None]]
+"""sandbox_id -> None: how a kill frees the sandbox (and its scheduler capacity)."""
+ImageCheck = Callable[[str], Awaitable[None]]
+"""image ref -> None or raises NotFound naming it (checked before queueing a create)."""
 
 _DEAD = {SandboxState.destroyed, SandboxState.failed, SandboxState.stopped}
 
@@ -43,22 +48,26 @@ def _not_found(sandbox_id: str) -> NotFound:
 
 class SandboxService:
     def __init__(self, settings: Settings, node: NodeAgent, state: StateStore, metrics: Metrics,
-                 audit: AuditLog, creator: Creator | None = None) -> None:
+                 audit: AuditLog, creator: Creator | None = None, image_check: ImageCheck | None = None) -> None:
         self.settings = settings
         self.node = node
         self.state = state
         self.metrics = metrics
         self.audit = audit
         self._creator: Creator = creator or (lambda spec, sid, t: node.create(spec, sandbox_id=sid, tenant=t))
+        self._destroyer: Destroyer = node.destroy
+        self._image_check = image_check
         self._owners: dict[str, str] = {}
         self._inflight = 0
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
         self._tenant_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._idem_locks: dict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 
-    def set_creator(self, creator: Creator) -> None:
-        """Route creates through another placement path (the scheduler driver)."""
+    def set_placement(self, creator: Creator, destroyer: Destroyer | None = None) -> None:
+        """Route creates (and kills) through another placement path: the scheduler driver."""
         self._creator = creator
+        if destroyer is not None:
+            self._destroyer = destroyer
 
     # --- checks ------------------------------------------------------------------
     def _check_image(self, tenant: TenantRecord, image: str) -> None:
@@ -132,6 +141,8 @@ class SandboxService:
     async def create(self, tenant: TenantRecord, spec: SandboxSpec) -> SandboxInfo:
         self._check_image(tenant, spec.image)
         self._check_limits(tenant, spec)
+        if self._image_check is not None:
+            await self._image_check(spec.image)
         if self._inflight >= self.settings.api_max_inflight_creates:
             self.metrics.creates.labels(result=Overloaded.code).inc()
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
@@ -149,8 +160,9 @@ class SandboxService:
         assert spec.request_id is not None
         rec = await asyncio.to_thread(self.state.idem_reserve, IdempotencyRecord(
             tenant=tenant.name, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
+        sid = str(rec.info["id"]) if rec.done and rec.info else rec.sandbox_id
         try:
-            info = await self.node.get(rec.sandbox_id)
+            info = await self.node.get(sid)
             if not rec.done:  # created, then we crashed before recording it
                 self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
             return info
@@ -190,6 +202,11 @@ class SandboxService:
             self._creating.discard(sandbox_id)
             self._inflight -= 1
             self.metrics.inflight_creates.set(self._inflight)
+        if info.id != sandbox_id:  # warm-pool hand-over: the user owns the pool member
+            self.state.record_sandbox(info.id, tenant.name, time.time())
+            self._owners[info.id] = tenant.name
+            self.state.mark_dead([sandbox_id], time.time())
+            self._owners.pop(sandbox_id, None)
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
         self.audit.record(info.id, tenant.name, "create", image=info.image, image_id=info.image_id,
@@ -207,7 +224,7 @@ class SandboxService:
 
     async def kill(self, tenant: TenantRecord, sandbox_id: str) -> None:
         await self._owned(tenant, sandbox_id)
-        await self.node.destroy(sandbox_id)
+        await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
         self.state.mark_dead([sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)

@@ -16,6 +16,7 @@ from dsec.api.metrics import Metrics
 from dsec.api.service import Creator, SandboxService
 from dsec.config import Settings
 from dsec.models import ImageInfo
+from dsec.errors import NotFound
 from dsec.models.sandbox import SandboxState
 from dsec.node.api import NodeAgent
 from dsec.state.store import StateStore
@@ -43,15 +44,22 @@ class Services:
     sandboxes: SandboxService
     started_at: float = field(default_factory=time.time)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    scheduler: Any = None
 
     @classmethod
     def build(cls, settings: Settings, node: NodeAgent, state: StateStore, images: ImageBackend | None = None,
               creator: Creator | None = None) -> Services:
         metrics = Metrics()
         audit = AuditLog(state, metrics, settings.api_audit_flush_s, settings.api_audit_max_chars)
-        sandboxes = SandboxService(settings, node, state, metrics, audit, creator)
         if images is None:
             images = getattr(node, "images", None)
+        check = None
+        if images is not None:
+            store = images
+
+            async def check(ref: str) -> None:  # NotFound naming the image, before any queueing
+                await asyncio.to_thread(store.resolve, ref)
+        sandboxes = SandboxService(settings, node, state, metrics, audit, creator, image_check=check)
         return cls(settings=settings, state=state, node=node, images=images, metrics=metrics,
                    auth=TenantAuth(state), audit=audit, sandboxes=sandboxes)
 
@@ -61,8 +69,25 @@ class Services:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def attach_scheduler(self, driver: Any) -> None:
+        """Send creates/kills through the control plane's ``SchedulerDriver`` (started and
+        closed with these services). Kills of sandboxes the scheduler does not know (adopted
+        after a restart) go straight to the node."""
+        node = self.node
+
+        async def destroy(sandbox_id: str) -> None:
+            try:
+                await driver.release(sandbox_id)
+            except NotFound:
+                await node.destroy(sandbox_id)
+
+        self.scheduler = driver
+        self.sandboxes.set_placement(driver.create, destroy)
+
     async def start(self) -> None:
         await self.node.start()
+        if self.scheduler is not None:
+            await self.scheduler.start()
         self.audit.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="dsec-housekeeping"))
 
@@ -72,6 +97,8 @@ class Services:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        if self.scheduler is not None:
+            await self.scheduler.close()
         await self.audit.close()
         await self.node.close()
 

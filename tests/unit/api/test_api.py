@@ -231,3 +231,26 @@ async def test_grafana_dashboard_uses_exported_metrics(env: Env) -> None:
     text = (await env.anon.get("/metrics")).text
     exported = set(re.findall(r"^(dsec_[a-z_]+)", text, re.M))
     assert used and used <= exported, used - exported
+
+
+async def test_placement_seam_handles_handover_ids(env: Env) -> None:
+    """A creator that hands over another sandbox (warm pool) makes the user own that id;
+    idempotent replay returns it, and kills go through the placement's destroyer."""
+    node = env.node
+    destroyed: list[str] = []
+
+    async def creator(spec, sandbox_id, tenant):  # type: ignore[no-untyped-def]
+        return await node.create(spec, sandbox_id="sb-pool-member", tenant=tenant)
+
+    async def destroyer(sandbox_id: str) -> None:
+        destroyed.append(sandbox_id)
+        await node.destroy(sandbox_id)
+
+    env.services.sandboxes.set_placement(creator, destroyer)
+    a = await _create(env.alice, request_id="r-pool")
+    assert a["id"] == "sb-pool-member"
+    assert (await env.alice.get(f"/v1/sandboxes/{a['id']}")).status_code == 200
+    b = await _create(env.alice, request_id="r-pool")
+    assert b["id"] == a["id"] and b["state"] != "destroyed"
+    assert (await env.alice.delete(f"/v1/sandboxes/{a['id']}")).status_code == 204
+    assert destroyed == ["sb-pool-member"]
