@@ -111,8 +111,8 @@ class OursPolicy:
     """Layer coverage in bytes + load + predicted load, with a per-batch spread penalty.
 
     Small clusters: every node is a candidate. Large clusters (> ``sparrow_min_nodes``):
-    a sample of nodes holding the image's largest layer plus ``sparrow_probes`` random
-    probes (Sparrow's power of d choices), so a decision costs O(candidates), not O(nodes).
+    samples of nodes holding the image's top layer and its largest layer (``k``/2 each)
+    plus ``sparrow_probes`` random probes (Sparrow's power of d choices), so a decision costs O(candidates), not O(nodes).
     Nodes missing more than ``image_miss_threshold`` of the image's bytes are refused
     while a candidate within the threshold exists.
     """
@@ -135,11 +135,13 @@ class OursPolicy:
             return nl
         nodes = cluster.nodes
         out: list[Node] = []
-        holders = cluster.layer_index.get(image.anchor)
-        if holders is not None and len(holders):
-            items = holders.items
-            picks = items if len(items) <= self.k else rng.sample(items, self.k)
-            out = [nodes[h] for h in picks]
+        half = max(1, self.k // 2)
+        for digest in (image.top, image.anchor) if image.top != image.anchor else (image.anchor,):
+            holders = cluster.layer_index.get(digest)
+            if holders is not None and len(holders):
+                items = holders.items
+                picks = items if len(items) <= half else rng.sample(items, half)
+                out.extend(nodes[h] for h in picks)
         n = len(nl)
         for _ in range(self.d):
             out.append(nl[int(rng.random() * n)])

@@ -27,13 +27,17 @@ class Image:
     layers: tuple[tuple[str, int], ...]
     version: str = ""
     total_bytes: int = 0
-    # The largest layer keys the locality index: a node holding it likely holds the rest.
+    # Locality candidates come from the nodes holding the largest layer (most bytes to
+    # save) and from those holding the top layer (the most image-specific: a node holding
+    # it ran this very image and most likely holds every layer).
     anchor: str = ""
+    top: str = ""
 
     def __post_init__(self) -> None:
         self.total_bytes = sum(s for _, s in self.layers)
         if self.layers:
             self.anchor = max(self.layers, key=lambda ds: ds[1])[0]
+            self.top = self.layers[-1][0]
 
 
 @dataclass(slots=True)

@@ -85,14 +85,17 @@ def test_filters_health_isolation_selector_and_exclusions() -> None:
 
 
 def test_sampling_bounds_candidates_in_large_clusters() -> None:
-    """Above sparrow_min_nodes, candidates = k image holders + d random probes."""
+    """Above sparrow_min_nodes, candidates = k/2 holders of the image's top layer + k/2
+    holders of its largest layer + d random probes, whatever the cluster size."""
     c = cluster(500)
     for i in range(0, 500, 5):
         c.add_layers(c.node_list[i], ["base"])
+    for i in range(0, 500, 50):
+        c.add_layers(c.node_list[i], ["top"])
     pol = OursPolicy(settings(sparrow_min_nodes=200, locality_candidates=8, sparrow_probes=2))
     cands = pol.candidates(IMG, c, random.Random(3))
     assert len(cands) == 10
-    assert sum("base" in n.layers for n in cands[:8]) == 8
+    assert all("top" in n.layers for n in cands[:4]) and all("base" in n.layers for n in cands[4:8])
 
 
 def test_baselines_choose_feasible_nodes() -> None:
