@@ -15,7 +15,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, FastAPI, Path, Request, Response
 from pydantic import BaseModel, Field
 
-from dsec.api.deps import Tenant
 from dsec.checkpoints.engine import CheckpointRef, EpisodeEngine, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
 
@@ -41,7 +40,13 @@ async def _engine(request: Request) -> EpisodeEngine:
     return request.app.state.episodes
 
 
+async def _tenant(request: Request) -> Any:
+    # Own dependency (same auth as every route) so this router does not track deps.py's shape.
+    return request.app.state.services.auth.authenticate(request.headers.get("authorization"))
+
+
 Engine = Annotated[EpisodeEngine, Depends(_engine)]
+Tenant = Annotated[Any, Depends(_tenant)]
 
 
 def _key(t: Any, episode_id: str) -> str:

@@ -67,8 +67,32 @@ def script(seed: int, steps: int) -> list[tuple[str, str]]:
 
 # --- server side ---------------------------------------------------------------------------
 
-def serve(work: Path, port: int) -> None:
-    """The drill server: the real episodes API on a DirHost engine with two replicas."""
+def _node_settings(work: Path):
+    from dsec.config import load_settings
+    # Agent sockets live under run_dir and sun_path is 108 bytes: keep it short and stable
+    # across server restarts (a restarted server adopts the sandboxes the last one left).
+    run_dir = Path("/tmp") / f"dsd-{abs(hash(str(work))) % 10**8}"
+    return load_settings(home=work / "home", run_dir=run_dir, net_enabled=False)
+
+
+def _node_host(work: Path):
+    from dsec.checkpoints.nodehost import NodeEpisodeHost
+    from dsec.images import ImageStore
+    from dsec.images.stock import ensure_stock
+    from dsec.node.agent import LocalNodeAgent
+    settings = _node_settings(work)
+    store = ImageStore(work / "home" / "images", settings)
+    ensure_stock(store, only=["busybox"], log=lambda _: None)
+    node = LocalNodeAgent(settings, images=store)
+    return node, NodeEpisodeHost(node)
+
+
+def serve(work: Path, port: int, host_kind: str = "dir") -> None:
+    """The drill server: the real episodes API with two checkpoint replicas.
+
+    ``host_kind``: ``dir`` (overlay + chroot, cheap) or ``node`` (real runc sandboxes).
+    """
+    from contextlib import asynccontextmanager
     from types import SimpleNamespace
 
     import uvicorn
@@ -83,27 +107,75 @@ def serve(work: Path, port: int) -> None:
     from dsec.config import load_settings
     from dsec.state.sqlite import SqliteStateStore
 
-    settings = load_settings(home=work / "home")
+    node = None
+    if host_kind == "node":
+        node, host = _node_host(work)
+        settings = node.settings
+    else:
+        settings = load_settings(home=work / "home")
+        host = DirHost(work / "sbx", {"bb": work / "img", "busybox": work / "img"})
     store = ReplicatedBlobStore([LocalBlobStore(work / "r1"), LocalBlobStore(work / "r2")])
-    engine = EpisodeEngine(settings, store, DirHost(work / "sbx", {"bb": work / "img"}))
-    app = FastAPI()
+    engine = EpisodeEngine(settings, store, host, cache_dir=work / "layer-cache")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if node is not None:
+            await node.manager.start()  # reconcile: adopt or clean what a killed server left
+        yield
+        if node is not None:
+            node.manager.close()
+
+    app = FastAPI(lifespan=lifespan)
     app.state.services = SimpleNamespace(auth=TenantAuth(SqliteStateStore(work / "state.db")))
     install_error_handlers(app, 0.2)
     include_episodes(app, engine)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
+def node_sandbox_pids(work: Path) -> dict[str, list[int]]:
+    """PIDs of each sandbox of the drill's own node (never another node's sandboxes)."""
+    from dsec.node import cgroups
+    from dsec.node.manager import CGROUP_PARENT
+    out: dict[str, list[int]] = {}
+    base = work / "home" / "sandboxes"
+    for sid in (p.name for p in base.iterdir()) if base.is_dir() else ():
+        f = cgroups.CGROUP_ROOT / "pids" / CGROUP_PARENT / sid / "cgroup.procs"
+        try:
+            pids = [int(x) for x in f.read_text().split()]
+        except OSError:
+            continue
+        if pids:
+            out[sid] = pids
+    return out
+
+
+async def cleanup_node(work: Path) -> int:
+    """Destroy every sandbox the drill's node still has (end of a node-mode drill)."""
+    node, _ = _node_host(work)
+    await node.manager.start()
+    n = 0
+    for sid in list(node.manager.live):
+        try:
+            await node.manager.destroy(sid)
+            n += 1
+        except Exception:  # noqa: BLE001 - best effort; reported as leaks by the caller
+            pass
+    node.manager.close()
+    return n
+
+
 @dataclass
 class ServerProc:
     work: Path
     port: int
+    host_kind: str = "dir"
     proc: subprocess.Popen | None = None
 
     def start(self, faults: str = "") -> None:
         env = {**os.environ, "DSEC_FAULTS": faults} if faults else {k: v for k, v in os.environ.items()
                                                                      if k != "DSEC_FAULTS"}
         self.proc = subprocess.Popen([sys.executable, "-m", "dsec.checkpoints.drill", "serve", str(self.work),
-                                      str(self.port)], env=env, stdout=subprocess.DEVNULL,
+                                      str(self.port), self.host_kind], env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.work / "server.log", "ab"))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -148,7 +220,7 @@ class EpisodeRun:
     error: str | None = None
 
 
-def run_agent(url: str, token: str, run: EpisodeRun, steps: int, deadline: float) -> None:
+def run_agent(url: str, token: str, run: EpisodeRun, steps: int, deadline: float, image: str = "bb") -> None:
     """Drive one episode to the end, resuming from step 0 after any failure."""
     from dsec.sdk import Client
     from dsec.sdk.episode import Episode
@@ -157,7 +229,7 @@ def run_agent(url: str, token: str, run: EpisodeRun, steps: int, deadline: float
     failed_at: float | None = None
     while time.monotonic() < deadline:
         try:
-            ep = Episode.open(run.episode_id, image="bb", client=client)
+            ep = Episode.open(run.episode_id, image=image, client=client, cpu=0.5, memory="256M", disk="256M")
             if ep.resumed:
                 run.restore_s.append(ep.info.restore_s)
             for i, (_, cmd) in enumerate(cmds):
@@ -197,5 +269,5 @@ def trajectory(url: str, token: str, episode_id: str) -> list[dict]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "serve":
-    serve(Path(sys.argv[2]), int(sys.argv[3]))
+if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
+    serve(Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

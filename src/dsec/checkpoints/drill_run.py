@@ -17,7 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from dsec.checkpoints.dirhost import DirHost, make_busybox_rootfs
-from dsec.checkpoints.drill import FAULT_KINDS, EpisodeRun, ServerProc, run_agent, trajectory
+from dsec.checkpoints.drill import (
+    FAULT_KINDS,
+    EpisodeRun,
+    ServerProc,
+    cleanup_node,
+    node_sandbox_pids,
+    run_agent,
+    trajectory,
+)
 from dsec.node import syscalls
 
 
@@ -32,6 +40,7 @@ class DrillConfig:
     kinds: tuple[str, ...] = FAULT_KINDS
     tmpfs_bytes: int = 256 * 1024 * 1024
     deadline_s: float = 3600.0
+    host_kind: str = "dir"  # "dir" (overlay + chroot) or "node" (real runc sandboxes)
 
 
 @dataclass
@@ -90,6 +99,16 @@ class Injector:
         return True
 
     def kill_sandbox(self) -> bool:
+        if self.cfg.host_kind == "node":
+            live = node_sandbox_pids(self.cfg.work)
+            if not live:
+                return False
+            for pid in live[self.rng.choice(sorted(live))]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return True
         root = self.cfg.work / "sbx"
         live = [p.name for p in root.iterdir() if os.path.ismount(p / "merged")] if root.exists() else []
         if not live:
@@ -111,17 +130,19 @@ class Injector:
 
     def corrupt_replica(self) -> bool:
         root = self.cfg.work / self.rng.choice(["r1", "r2"])
-        files = [Path(d) / f for d, _, fs in os.walk(root) for f in fs
-                 if "/cas/" in d or "/units" in d]
-        files = [f for f in files if f.exists() and f.stat().st_size > 0]
-        if not files:
-            return False
-        victim = self.rng.choice(files)
-        data = bytearray(victim.read_bytes())
-        i = self.rng.randrange(len(data))
-        data[i] ^= 0xFF
-        victim.write_bytes(bytes(data))
-        return True
+        files = sorted(Path(d) / f for d, _, fs in os.walk(root) for f in fs if "/cas/" in d or "/units" in d)
+        self.rng.shuffle(files)
+        for victim in files:  # retention may delete a file under our feet: take the next one
+            try:
+                data = bytearray(victim.read_bytes())
+                if not data:
+                    continue
+                data[self.rng.randrange(len(data))] ^= 0xFF
+                victim.write_bytes(bytes(data))
+                return True
+            except OSError:
+                continue
+        return False
 
     def cut_write(self) -> bool:
         self.server.stop(signal.SIGKILL)
@@ -138,7 +159,8 @@ class Injector:
 def _round(cfg: DrillConfig, url: str, token: str, prefix: str, injector: Injector | None,
            res: DrillResult, rng: random.Random, deadline: float) -> list[EpisodeRun]:
     runs = [EpisodeRun(f"{prefix}-{i}", cfg.seed + i) for i in range(cfg.episodes)]
-    threads = [threading.Thread(target=run_agent, args=(url, token, r, cfg.steps, deadline)) for r in runs]
+    image = "busybox" if cfg.host_kind == "node" else "bb"
+    threads = [threading.Thread(target=run_agent, args=(url, token, r, cfg.steps, deadline, image)) for r in runs]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
@@ -167,7 +189,7 @@ def run_drill(cfg: DrillConfig, progress: Callable[[str, int, int], None] = lamb
     res = DrillResult()
     t0 = time.monotonic()
     token = _setup(cfg)
-    server = ServerProc(cfg.work, _free_port())
+    server = ServerProc(cfg.work, _free_port(), cfg.host_kind)
     url = f"http://127.0.0.1:{server.port}"
     deadline = time.monotonic() + cfg.deadline_s
     try:
@@ -201,8 +223,11 @@ def run_drill(cfg: DrillConfig, progress: Callable[[str, int, int], None] = lamb
             progress("faults", sum(res.faults.values()), cfg.faults)
     finally:
         server.stop(signal.SIGTERM)
+        if cfg.host_kind == "node":
+            import asyncio
+            res.leaked_mounts = asyncio.run(cleanup_node(cfg.work))
         mounts = [m for m in syscalls.mounts_under(str(cfg.work / "sbx"))]
-        res.leaked_mounts = len(mounts)
+        res.leaked_mounts += len(mounts)
         for m in [*mounts, *syscalls.mounts_under(str(cfg.work / "r2"))]:
             try:
                 syscalls.umount(m)

@@ -28,6 +28,8 @@ def drill(
     tmpfs: str = typer.Option("256M", help="Size of the tmpfs used as the second checkpoint replica"),
     out_dir: Path = typer.Option(Path("drill-report"), "--out", help="Report directory (md, json, png)"),
     work: Path = typer.Option(None, help="Scratch dir (default: a new temp dir)"),
+    host: str = typer.Option("dir", help="Where episodes run: 'dir' (overlay+chroot, cheap faults) or "
+                                         "'node' (real runc sandboxes via the node agent)"),
 ) -> None:
     """Run scripted episodes under random faults, resume them all, verify against a fault-free run."""
     from dsec.checkpoints.drill import FAULT_KINDS
@@ -40,7 +42,10 @@ def drill(
         raise typer.Exit(2)
     cfg = DrillConfig(work=work or Path(tempfile.mkdtemp(prefix="dsec-drill-")) / "work", episodes=episodes,
                       steps=steps, faults=faults, seed=seed, fault_interval_s=interval, kinds=chosen,
-                      tmpfs_bytes=parse_bytes(tmpfs))
+                      tmpfs_bytes=parse_bytes(tmpfs), host_kind=host)
+    if host not in ("dir", "node"):
+        err.print(f"[red]error[/red]: --host must be 'dir' or 'node', got {host!r}")
+        raise typer.Exit(2)
     if sys.stderr.isatty():
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=err) as prog:
