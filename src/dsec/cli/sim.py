@@ -41,8 +41,11 @@ def sim(
                 tasks = {p: bar.add_task(p, total=1.0) for p in cfg.policies}
                 meta, results = run_all(cfg, out, progress=lambda p, f: bar.update(tasks[p], completed=f))
         else:
+            done: set[str] = set()
+
             def log(p: str, f: float) -> None:
-                if f >= 1.0:
+                if f >= 1.0 and p not in done:
+                    done.add(p)
                     console.print(f"{p}: done")
             meta, results = run_all(cfg, out, progress=log)
     except ValueError as e:
