@@ -18,6 +18,7 @@ At the end each trajectory is compared with the baseline of its seed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -71,7 +72,7 @@ def _node_settings(work: Path):
     from dsec.config import load_settings
     # Agent sockets live under run_dir and sun_path is 108 bytes: keep it short and stable
     # across server restarts (a restarted server adopts the sandboxes the last one left).
-    run_dir = Path("/tmp") / f"dsd-{abs(hash(str(work))) % 10**8}"
+    run_dir = Path("/tmp") / f"dsd-{hashlib.sha256(str(work).encode()).hexdigest()[:10]}"
     return load_settings(home=work / "home", run_dir=run_dir, net_enabled=False)
 
 
@@ -161,6 +162,8 @@ async def cleanup_node(work: Path) -> int:
         except Exception:  # noqa: BLE001 - best effort; reported as leaks by the caller
             pass
     node.manager.close()
+    import shutil
+    shutil.rmtree(node.settings.runtime_dir, ignore_errors=True)
     return n
 
 
