@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e2e_server import Server, ensure_images, start_server
+from e2e_server import Server, ensure_images, reap_home, start_server
 
 
 @pytest.fixture(scope="module")
@@ -19,3 +19,4 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         if srv.proc.poll() is None:
             srv.kill_all()
         srv.stop()
+        reap_home(home)

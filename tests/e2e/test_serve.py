@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_server import Server, ensure_images, start_server
+from e2e_server import Server, ensure_images, reap_home, start_server
 
 from dsec.errors import Conflict, InvalidArgument, NotFound, PayloadTooLarge
 from dsec.models import ExecRequest
@@ -97,3 +97,29 @@ def test_restart_recovers_state(tmp_path: Path) -> None:
             srv = start_server(tmp_path)
         srv.kill_all()
         srv.stop()
+        reap_home(tmp_path)
+
+
+def test_images_api_real(server: Server) -> None:
+    """Images over HTTP: list shows the stock image, a build produces a usable image, garbage
+    imports are refused as 4xx, removing an unknown image is 404; the local token file is 0600."""
+    import os
+    import stat
+
+    import httpx
+
+    assert stat.S_IMODE(os.stat(server.home / "token").st_mode) == 0o600
+    h = {"authorization": f"Bearer {server.token}"}
+    with httpx.Client(base_url=server.url, headers=h, timeout=300) as c:
+        names = [n for i in c.get("/v1/images").json() for n in i["names"]]
+        assert any(n.startswith("busybox") for n in names)
+        r = c.post("/v1/images/build", json={"tag": "e2e-built:1", "spec": {
+            "from": "busybox", "steps": [{"copy": {"src": "hello.txt", "dest": "/opt/hello.txt"}},
+                                         {"run": "echo built > /opt/built.txt"}]},
+            "files": {"hello.txt": "hello from the build context\n"}})
+        assert r.status_code == 201, r.text
+        r = c.post("/v1/images/import", params={"name": "junk:1"}, content=b"not a tar at all")
+        assert 400 <= r.status_code < 500, r.text
+        assert c.delete("/v1/images/no-such-image:9").status_code == 404
+    with Client(server.url, server.token) as cl, Sandbox.create(image="e2e-built:1", client=cl) as sb:
+        assert sb.exec("cat /opt/hello.txt /opt/built.txt").stdout == "hello from the build context\nbuilt\n"

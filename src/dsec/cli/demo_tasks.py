@@ -56,7 +56,7 @@ def solution_file(task: str, buggy: bool) -> str:
     return body + f"\n\nif __name__ == '__main__':\n    print('{task}:', solve({t['arg']}))\n"
 
 
-def test_file(task: str) -> str:
+def unittest_file(task: str) -> str:
     return ("import unittest\nfrom solution import solve\n\n\nclass T(unittest.TestCase):\n" + TASKS[task]["test"]
             + "\n\nif __name__ == '__main__':\n    unittest.main()\n")
 
@@ -110,7 +110,7 @@ async def run_episode(index: int, image: str, run_id: str, client: Any, on_step:
         if on_step:
             on_step(index, "create")
         buggy = index % 3 == 1
-        await call("write", sb.files.write("/work/test_solution.py", test_file(task)))
+        await call("write", sb.files.write("/work/test_solution.py", unittest_file(task)))
         while res.attempts < 2:
             res.attempts += 1
             await call("write", sb.files.write("/work/solution.py", solution_file(task, buggy)))
