@@ -91,7 +91,9 @@ class _Live:
     context: PartRef | None = None
     weights_ref: str | None = None
     user_meta: dict = field(default_factory=dict)
-    seq: int = -1
+    seq: int = -1  # seq of the last committed (or restored) unit
+    next_seq: int = 0  # above every seq in the store, even of units we fell back from
+    last_key: str = ""
     inline: dict[str, str] = field(default_factory=dict)  # inline parts of the last unit
     unit_keys: list[tuple[int, str]] | None = None  # (seq, key) of stored units; None = list the store
     dirty: bool = False  # sandbox fs is ahead of the last unit: replace before the next step
@@ -130,9 +132,11 @@ class EpisodeEngine:
                 return await self._create(episode_id, spec or SandboxSpec())
             t0 = time.perf_counter()
             failures = []
+            next_seq = 1 + max(seq for seq, _ in await asyncio.to_thread(list_unit_keys, self.store, episode_id))
             for meta in units:
                 try:
                     live = await self._restore(meta)
+                    live.next_seq = next_seq
                 except (errors.DigestMismatch, errors.NotFound, errors.CheckpointError) as exc:
                     log.warning("episode %s: unit %d unusable (%s); falling back", episode_id, meta.seq, exc)
                     failures.append(f"unit {meta.seq}: {exc}")
@@ -149,8 +153,12 @@ class EpisodeEngine:
                             level=self.settings.checkpoint_zstd_level)
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker)
         live.sandbox_id = await self.host.create(spec, [])
-        async with live.lock:
-            await self._write_unit(live, "open")
+        try:
+            async with live.lock:
+                await self._write_unit(live, "open")
+        except BaseException:
+            await self.host.destroy(live.sandbox_id)  # no unit records it: nobody else would
+            raise
         self._live[episode_id] = live
         return self._info(live)
 
@@ -186,19 +194,25 @@ class EpisodeEngine:
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
                      user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
-                     inline=dict(meta.inline))
+                     next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline))
         live.sandbox_id = await self.host.create(spec, lowers)
         return live
 
+    async def _last_unit(self, live: _Live) -> UnitMeta:
+        units = await asyncio.to_thread(complete_units, self.store, live.id)
+        for meta in units:
+            if meta.key == live.last_key:
+                return meta
+        raise errors.CheckpointError(f"episode {live.id!r}: its last unit {live.last_key!r} is gone from the "
+                                     "store; close and reopen the episode to fall back to an older unit")
+
     async def _replace_sandbox(self, live: _Live) -> None:
         """Give ``live`` a fresh sandbox equal to its last unit (after a failed unit or a stop)."""
-        units = await asyncio.to_thread(complete_units, self.store, live.id)
-        if not units or units[0].seq != live.seq:
-            raise errors.CheckpointError(f"episode {live.id!r}: last unit {live.seq} not found in the store")
+        meta = await self._last_unit(live)
         if live.sandbox_id:
             await self.host.destroy(live.sandbox_id)
             live.sandbox_id = None
-        fresh = await self._restore(units[0])
+        fresh = await self._restore(meta)
         live.sandbox_id, live.tracker, live.dirty = fresh.sandbox_id, fresh.tracker, False
         live.inline = fresh.inline
 
@@ -284,7 +298,7 @@ class EpisodeEngine:
                 refs[name].append(ref)
                 fault_point(f"ckpt.after_part.{name}")
             meta = UnitMeta(
-                episode_id=live.id, seq=live.seq + 1, kind=kind,  # type: ignore[arg-type]
+                episode_id=live.id, seq=live.next_seq, kind=kind,  # type: ignore[arg-type]
                 steps=len(live.records) + (record is not None), compat=live.view.compat,
                 compat_hash=live.view.compat.hash(), spec=live.spec.model_dump(mode="json"),
                 fs_chain=cap.chain, fs_manifest=cap.manifest_ref, fs_digest=cap.fs_digest,
@@ -309,6 +323,7 @@ class EpisodeEngine:
             raise
         adopt()
         live.seq, live.segments, live.context, live.inline = meta.seq, meta.trajectory, meta.context, meta.inline
+        live.next_seq, live.last_key = meta.seq + 1, meta.key
         if record is not None:
             live.records.append(record)
         return meta
@@ -381,7 +396,7 @@ class EpisodeEngine:
             raise errors.NotFound(f"sandbox {sandbox_id!r} runs no open episode on this server")
         async with live.lock:
             if live.dirty:  # already ahead of the log: the last unit is the checkpoint
-                meta = (await asyncio.to_thread(complete_units, self.store, live.id))[0]
+                meta = await self._last_unit(live)
             else:
                 meta = await self._write_unit(live, "preempt")
             await self.host.destroy(sandbox_id)

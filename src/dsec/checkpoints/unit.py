@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from dsec import errors
 from dsec.blobs import BlobStore, cas_key, get_blob, put_blob, sha256_hex
@@ -85,6 +85,11 @@ class UnitMeta(BaseModel):
     inline: dict[str, str] = Field(
         default_factory=dict, description="Small parts embedded here (digest -> base64): one write "
         "instead of two. A unit carries every inline part it references, so retention never loses one")
+    _key: str = PrivateAttr("")  # the store key it was read from / written to
+
+    @property
+    def key(self) -> str:
+        return self._key
 
     def parts(self) -> list[PartRef]:
         out: list[PartRef] = [*self.fs_chain, *self.trajectory]
@@ -108,6 +113,7 @@ def commit_unit(store: BlobStore, meta: UnitMeta) -> str:
     body = meta.model_dump_json().encode()
     key = f"{units_prefix(meta.episode_id)}{meta.seq:010d}-{sha256_hex(body)}.json"
     store.put(key, body)
+    meta._key = key
     fault_point("ckpt.after_meta")
     return key
 
@@ -142,6 +148,7 @@ def load_meta(store: BlobStore, key: str) -> UnitMeta | None:
             or meta.seq != int(m.group(1)):
         log.warning("checkpoint metadata %s is inconsistent or from a newer schema", key)
         return None
+    meta._key = key
     return meta
 
 

@@ -145,6 +145,10 @@ def test_corrupt_everywhere_falls_back_to_previous_unit(work, reference, part):
     info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work, **NO_INLINE)))
     assert info.steps < N
     _check_finished(reference, info, res, t, ctx)
+    # New units are numbered above the corrupt one, so the next resume sees every step.
+    info, res, t, ctx = asyncio.run(_resume_and_finish(make_engine(work, **NO_INLINE)))
+    assert info.steps == N
+    _check_finished(reference, info, res, t, ctx)
 
 
 def test_disk_full_is_storage_full_and_previous_unit_intact(work, reference):
