@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
     api_scheduler: bool = Field(False, description="Creates go through the control-plane scheduler driver")
+    api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
+    client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 

@@ -93,7 +93,10 @@ def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level
 
     return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
                           log_level=log_level, timeout_graceful_shutdown=int(settings.api_shutdown_grace_s),
-                          backlog=4096, access_log=False, server_header=False)
+                          backlog=4096, access_log=False, server_header=False,
+                          # Longer than the SDK's idle expiry: the server must never close a pooled
+                          # connection just as the client reuses it (a lost, unretryable exec).
+                          timeout_keep_alive=int(settings.api_keepalive_s))
 
 
 async def serve_async(settings: Settings, host: str, port: int, services: Services | None = None,

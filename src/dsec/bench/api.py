@@ -1,10 +1,13 @@
 """API/SDK benchmark: what the HTTP service layer adds, and how it holds up under load.
 
-1. Baseline, same run, same machine: the node-local exec path (``LocalNodeAgent.exec``
-   in-process, no HTTP) — median/p99 of ``true``.
-2. The same exec through the SDK over HTTP to a real ``dsec serve`` process (async and
-   sync clients): median/p99 and the *added* median vs 1.
-3. One asyncio client drives ``sandboxes`` concurrent sandboxes x ``execs`` execs each:
+1+2. Overhead, interleaved sample by sample so machine noise hits both sides alike: the
+   server (``create_app`` on uvicorn/uvloop/httptools, real ``LocalNodeAgent``) runs in a
+   thread of this process; each round times the node-local path (``node.exec`` /
+   ``node.get`` awaited *inside* the server's loop, no HTTP) and then the same operation
+   through the SDK over loopback HTTP (sync and async clients). Reported: medians and the
+   median of the paired differences (= what the service layer adds). ``get`` isolates the
+   HTTP+service cost from the variance of running a process in a sandbox.
+3. Load, against a separate ``dsec serve`` process: one asyncio client drives ``sandboxes`` concurrent sandboxes x ``execs`` execs each:
    throughput and p50/p99, while a separate process probes ``GET /health`` every
    ``probe_interval_s`` (its p99 shows whether the server stays responsive).
 
@@ -39,29 +42,86 @@ def _stats(samples_s: list[float]) -> dict[str, float]:
             "mean_ms": round(statistics.fmean(ms), 3), "max_ms": round(ms[-1], 3)}
 
 
-async def _node_local(home: Path, samples: int, warmup: int) -> dict[str, Any]:
+def _paired(base: list[float], other: list[float]) -> dict[str, float]:
+    d = sorted((o - b) * 1000 for b, o in zip(base, other))
+    return {"median_added_ms": round(statistics.median(d), 3), "p90_added_ms": round(d[int(len(d) * 0.9)], 3)}
+
+
+async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
+    """Server in a thread (own uvloop); SDK calls from this loop; baseline timed in the server loop."""
+    import threading
+
+    import uvicorn
+    import uvloop
+
+    from dsec.api.app import create_app
+    from dsec.api.server import build_embedded, ensure_local_token, uvicorn_config
     from dsec.config import Settings
     from dsec.models import ExecRequest, SandboxSpec
-    from dsec.node.agent import LocalNodeAgent
+    from dsec.sdk import AsyncClient, Client
 
-    node = LocalNodeAgent(Settings(home=home))
-    await node.start()
+    settings = Settings(home=home)
+    services = build_embedded(settings)
+    token = ensure_local_token(services)
+    server = uvicorn.Server(uvicorn_config(create_app(services), settings, "127.0.0.1", 0, "warning"))
+    loop = uvloop.new_event_loop()
+    th = threading.Thread(target=lambda: loop.run_until_complete(server.serve()), daemon=True)
+    th.start()
+    while not server.started:
+        if not th.is_alive():
+            raise RuntimeError("in-process server failed to start")
+        await asyncio.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    node = services.node
+
+    async def timed(coro: Any) -> float:
+        t0 = time.perf_counter()
+        await coro
+        return time.perf_counter() - t0
+
+    def in_server(coro: Any) -> Any:
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    req = ExecRequest(cmd=["true"])
+    series: dict[str, list[float]] = {k: [] for k in ("node_exec", "sdk_async_exec", "sdk_sync_exec",
+                                                      "node_get", "sdk_async_get", "sdk_sync_get")}
     try:
-        info = await node.create(SandboxSpec(**SPEC))  # type: ignore[arg-type]
-        try:
-            req = ExecRequest(cmd=["true"])
-            out = []
-            for i in range(warmup + samples):
-                t0 = time.perf_counter()
-                r = await node.exec(info.id, req)
-                if i >= warmup:
-                    out.append(time.perf_counter() - t0)
-                assert r.exit_code == 0, r
-            return _stats(out)
-        finally:
-            await node.destroy(info.id)
+        async with AsyncClient(url, token) as ac:
+            sc = Client(url, token)
+            info = await ac.create(SandboxSpec(**SPEC))  # type: ignore[arg-type]
+            sid = info.id
+            try:
+                for i in range(warmup + samples):
+                    row = {
+                        "node_exec": await in_server(timed(node.exec(sid, req))),
+                        "sdk_async_exec": await timed(ac.exec(sid, req)),
+                        "node_get": await in_server(timed(node.get(sid))),
+                        "sdk_async_get": await timed(ac.get(sid)),
+                    }
+                    t0 = time.perf_counter()
+                    sc.exec(sid, req)
+                    row["sdk_sync_exec"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    sc.get(sid)
+                    row["sdk_sync_get"] = time.perf_counter() - t0
+                    if i >= warmup:
+                        for k, v in row.items():
+                            series[k].append(v)
+            finally:
+                await ac.kill(sid)
+                sc.close()
     finally:
-        await node.close()
+        server.should_exit = True
+        await asyncio.to_thread(th.join, 60)
+        services.state.close()
+    out: dict[str, Any] = {k: _stats(v) for k, v in series.items()}
+    out["added"] = {
+        "sdk_async_exec": _paired(series["node_exec"], series["sdk_async_exec"]),
+        "sdk_sync_exec": _paired(series["node_exec"], series["sdk_sync_exec"]),
+        "sdk_async_get": _paired(series["node_get"], series["sdk_async_get"]),
+        "sdk_sync_get": _paired(series["node_get"], series["sdk_sync_get"]),
+    }
+    return out
 
 
 def _probe(url: str, interval: float, stop: Any, q: Any) -> None:
@@ -81,36 +141,12 @@ def _probe(url: str, interval: float, stop: Any, q: Any) -> None:
     q.put({"latencies": lat, "errors": errors})
 
 
-async def _sdk(url: str, token: str, samples: int, warmup: int, sandboxes: int, execs: int,
-               probe_interval: float) -> dict[str, Any]:
+async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval: float) -> dict[str, Any]:
     from dsec.models import ExecRequest, SandboxSpec
-    from dsec.sdk import AsyncClient, Client
+    from dsec.sdk import AsyncClient
 
     res: dict[str, Any] = {}
     async with AsyncClient(url, token) as c:
-        info = await c.create(SandboxSpec(**SPEC))  # type: ignore[arg-type]
-        req = ExecRequest(cmd=["true"])
-        out = []
-        for i in range(warmup + samples):
-            t0 = time.perf_counter()
-            r = await c.exec(info.id, req)
-            if i >= warmup:
-                out.append(time.perf_counter() - t0)
-            assert r.exit_code == 0, r
-        res["sdk_async_exec"] = _stats(out)
-
-        def sync_samples() -> list[float]:
-            with Client(url, token) as sc:
-                o = []
-                for i in range(warmup + samples):
-                    t0 = time.perf_counter()
-                    sc.exec(info.id, req)
-                    if i >= warmup:
-                        o.append(time.perf_counter() - t0)
-                return o
-        res["sdk_sync_exec"] = _stats(await asyncio.to_thread(sync_samples))
-        await c.kill(info.id)
-
         # --- load: N sandboxes x M execs from this one client, /health probed elsewhere ---
         ctx = mp.get_context("spawn")
         stop, q = ctx.Event(), ctx.Queue()
@@ -126,8 +162,6 @@ async def _sdk(url: str, token: str, samples: int, warmup: int, sandboxes: int, 
             create_lat.append(time.perf_counter() - s)
             return i.id
 
-        ids = await asyncio.gather(*(create_one() for _ in range(sandboxes)))
-        create_wall = time.perf_counter() - t0
         lat: list[float] = []
         failures = 0
 
@@ -139,13 +173,17 @@ async def _sdk(url: str, token: str, samples: int, warmup: int, sandboxes: int, 
                 lat.append(time.perf_counter() - s)
                 failures += r.exit_code != 0 or r.stdout != f"{k}\n"
 
-        t1 = time.perf_counter()
-        await asyncio.gather(*(drive(s) for s in ids))
-        exec_wall = time.perf_counter() - t1
-        stop.set()
+        try:
+            ids = await asyncio.gather(*(create_one() for _ in range(sandboxes)))
+            create_wall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            await asyncio.gather(*(drive(s) for s in ids))
+            exec_wall = time.perf_counter() - t1
+        finally:  # never leave the benchmark's sandboxes behind, even on failure
+            stop.set()
+            killed = await c.kill_by_labels(label)
         probe = await asyncio.to_thread(q.get, True, 30)
         prober.join(10)
-        killed = await c.kill_by_labels(label)
         res["load"] = {
             "sandboxes": sandboxes, "execs_per_sandbox": execs, "creates": _stats(create_lat),
             "create_wall_s": round(create_wall, 3), "creates_per_s": round(sandboxes / create_wall, 1),
@@ -194,18 +232,14 @@ def run(home: Path | str | None = None, sandboxes: int = 200, execs: int = 50, s
     home = Path(home)
     try:
         ensure_stock(ImageStore(home / "images", Settings(home=home)), only=["busybox"], log=lambda _: None)
-        result: dict[str, Any] = {"node_local_exec": uvloop.run(_node_local(home, samples, warmup))}
-        proc, url, token = _start_server(home)
-        try:
-            result |= uvloop.run(_sdk(url, token, samples, warmup, sandboxes, execs, probe_interval_s))
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        base = result["node_local_exec"]["median_ms"]
-        result["added_median_ms"] = {"sdk_async": round(result["sdk_async_exec"]["median_ms"] - base, 3),
-                                     "sdk_sync": round(result["sdk_sync_exec"]["median_ms"] - base, 3)}
-        result["ratio_median"] = {"sdk_async": round(result["sdk_async_exec"]["median_ms"] / base, 2),
-                                  "sdk_sync": round(result["sdk_sync_exec"]["median_ms"] / base, 2)}
+        result: dict[str, Any] = {"overhead": uvloop.run(_overhead(home, samples, warmup))}
+        if sandboxes > 0:
+            proc, url, token = _start_server(home)
+            try:
+                result |= uvloop.run(_load(url, token, sandboxes, execs, probe_interval_s))
+            finally:
+                proc.terminate()
+                proc.wait(60)
         return result
     finally:
         if tmp is not None:

@@ -122,7 +122,7 @@ def _httpx_kwargs(cfg: ClientConfig) -> dict[str, Any]:
         headers["authorization"] = f"Bearer {cfg.token}"
     return dict(base_url=cfg.url, headers=headers, timeout=httpx.Timeout(cfg.timeout_s),
                 limits=httpx.Limits(max_connections=cfg.max_connections,
-                                    max_keepalive_connections=cfg.max_keepalive))
+                                    max_keepalive_connections=cfg.max_keepalive, keepalive_expiry=cfg.keepalive_s))
 
 
 def _request_kwargs(call: Call[Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class ClientConfig:
     timeout_s: float
     max_connections: int
     max_keepalive: int
+    keepalive_s: float
 
 
 def read_server_file(home: Path) -> dict[str, object] | None:
@@ -58,4 +59,5 @@ def resolve_config(url: str | None = None, token: str | None = None, *, retries:
     return ClientConfig(url=url.rstrip("/"), token=token, retries=s.client_retries if retries is None else retries,
                         backoff_s=s.client_backoff_s, backoff_max_s=s.client_backoff_max_s,
                         timeout_s=s.client_timeout_s if timeout is None else timeout,
-                        max_connections=s.client_max_connections, max_keepalive=s.client_max_keepalive)
+                        max_connections=s.client_max_connections, max_keepalive=s.client_max_keepalive,
+                        keepalive_s=s.client_keepalive_s)
