@@ -164,7 +164,8 @@ class SandboxService:
         try:
             info = await self.node.get(sid)
             if not rec.done:  # created, then we crashed before recording it
-                self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
+                await asyncio.to_thread(self.state.idem_complete, tenant.name, spec.request_id,
+                                        info.model_dump(mode="json"))
             return info
         except NotFound:
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
@@ -172,9 +173,9 @@ class SandboxService:
         try:
             info = await self._create_new(tenant, spec, rec.sandbox_id)
         except DSecError:
-            self.state.idem_delete(tenant.name, spec.request_id)  # a failed create may be retried afresh
+            await asyncio.to_thread(self.state.idem_delete, tenant.name, spec.request_id)  # retry afresh
             raise
-        self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
+        await asyncio.to_thread(self.state.idem_complete, tenant.name, spec.request_id, info.model_dump(mode="json"))
         return info
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str) -> SandboxInfo:
@@ -186,26 +187,22 @@ class SandboxService:
                 # Quota check and registration are atomic per tenant; the create itself is not
                 # serialised (the record below counts it while in flight).
                 await self._check_quota(tenant, spec)
-                self.state.record_sandbox(sandbox_id, tenant.name, time.time())
+                await asyncio.to_thread(self.state.record_sandbox, sandbox_id, tenant.name, time.time())
                 self._owners[sandbox_id] = tenant.name
                 self._creating.add(sandbox_id)
             info = await self._creator(spec, sandbox_id, tenant.name)
-        except DSecError as e:
-            self.metrics.creates.labels(result=e.code).inc()
-            self.state.mark_dead([sandbox_id], time.time())
-            raise
-        except Exception:
-            self.metrics.creates.labels(result="internal").inc()
-            self.state.mark_dead([sandbox_id], time.time())
+        except Exception as e:
+            self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()
+            await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
             raise
         finally:
             self._creating.discard(sandbox_id)
             self._inflight -= 1
             self.metrics.inflight_creates.set(self._inflight)
         if info.id != sandbox_id:  # warm-pool hand-over: the user owns the pool member
-            self.state.record_sandbox(info.id, tenant.name, time.time())
+            await asyncio.to_thread(self.state.record_sandbox, info.id, tenant.name, time.time())
             self._owners[info.id] = tenant.name
-            self.state.mark_dead([sandbox_id], time.time())
+            await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
             self._owners.pop(sandbox_id, None)
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
@@ -226,7 +223,7 @@ class SandboxService:
         await self._owned(tenant, sandbox_id)
         await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
-        self.state.mark_dead([sandbox_id], time.time())
+        await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)
 
     async def kill_by_labels(self, tenant: TenantRecord, labels: dict[str, str]) -> list[str]:
