@@ -15,7 +15,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, FastAPI, Path, Request, Response
 from pydantic import BaseModel, Field
 
-from dsec.checkpoints.engine import CheckpointRef, EpisodeEngine, EpisodeInfo, StepResult
+from dsec.checkpoints.engine import EpisodeEngine
+from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
 
 router = APIRouter(prefix="/v1/episodes", tags=["episodes"])

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
-from pydantic import BaseModel
 
 from dsec import errors
 from dsec.blobs import BlobStore, sha256_hex
@@ -35,6 +34,7 @@ from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker, materialize
 from dsec.checkpoints.host import EpisodeHost, ImageView
+from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.checkpoints.unit import (
     PartRef,
     UnitMeta,
@@ -47,36 +47,10 @@ from dsec.checkpoints.unit import (
     read_part,
 )
 from dsec.config import Settings
-from dsec.models import ExecRequest, ExecResult, SandboxSpec
+from dsec.models import ExecRequest, SandboxSpec
 from dsec.testing.faults import FaultInjected, fault_point
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointRef(BaseModel):
-    episode_id: str
-    seq: int
-    steps: int
-    fs_digest: str
-
-
-class EpisodeInfo(BaseModel):
-    id: str
-    steps: int
-    seq: int
-    sandbox_id: str | None
-    fs_digest: str
-    has_context: bool
-    weights_ref: str | None = None
-    resumed: bool = False
-    restore_s: float = 0.0
-
-
-class StepResult(ExecResult):
-    step: int
-    replayed: bool = False
-    fs_digest: str = ""
-    checkpoint_s: float = 0.0
 
 
 @dataclass
@@ -110,6 +84,9 @@ class EpisodeEngine:
         self.settings, self.store, self.host = settings, store, host
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
         self._live: dict[str, _Live] = {}
+        self.counters: dict[str, float] = {"units_written": 0, "unit_failures": 0, "unit_seconds_total": 0.0,
+                                           "restores": 0, "restore_fallbacks": 0, "restore_seconds_total": 0.0,
+                                           "steps_replayed": 0, "steps_live": 0, "bytes_checkpointed": 0}
         # Old units are deleted off the step's critical path; a crash before the delete
         # only leaves an extra old (complete) unit for the next retention pass.
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retention")
@@ -139,9 +116,12 @@ class EpisodeEngine:
                     live.next_seq = next_seq
                 except (errors.DigestMismatch, errors.NotFound, errors.CheckpointError) as exc:
                     log.warning("episode %s: unit %d unusable (%s); falling back", episode_id, meta.seq, exc)
+                    self.counters["restore_fallbacks"] += 1
                     failures.append(f"unit {meta.seq}: {exc}")
                     continue
                 self._live[episode_id] = live
+                self.counters["restores"] += 1
+                self.counters["restore_seconds_total"] += time.perf_counter() - t0
                 return self._info(live, resumed=True, restore_s=time.perf_counter() - t0)
             raise errors.CheckpointError(
                 f"no checkpoint unit of episode {episode_id!r} could be restored ({'; '.join(failures)}); "
@@ -235,6 +215,7 @@ class EpisodeEngine:
                         f"episode {episode_id!r} step {step}: the log has {rec.command!r} (cwd={rec.cwd!r}) "
                         f"but the agent now runs {req.cmd!r} (cwd={req.cwd!r}); a resumed agent must "
                         "replay the same commands in the same order", step=step)
+                self.counters["steps_replayed"] += 1
                 return StepResult(step=step, replayed=True, exit_code=rec.exit_code, stdout=rec.stdout,
                                   stderr=rec.stderr, duration=rec.duration, timed_out=rec.timed_out,
                                   truncated=rec.truncated, fs_digest=rec.fs_digest, checkpoint_s=rec.checkpoint_s)
@@ -316,11 +297,18 @@ class EpisodeEngine:
                 live.unit_keys = None
             return meta
 
+        t0 = time.perf_counter()
         try:
             meta = await asyncio.to_thread(write)
         except BaseException:
             live.dirty = True
+            self.counters["unit_failures"] += 1
             raise
+        self.counters["units_written"] += 1
+        self.counters["unit_seconds_total"] += time.perf_counter() - t0
+        self.counters["bytes_checkpointed"] += sum(len(d) for _, d in parts)
+        if record is not None:
+            self.counters["steps_live"] += 1
         adopt()
         live.seq, live.segments, live.context, live.inline = meta.seq, meta.trajectory, meta.context, meta.inline
         live.next_seq, live.last_key = meta.seq + 1, meta.key
@@ -439,6 +427,10 @@ class EpisodeEngine:
             except errors.DSecError:
                 continue
         raise errors.NotFound(f"episode {episode_id!r} has no complete checkpoint unit")
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the metrics endpoint (checkpoint writes/latency, restores, replays)."""
+        return {f"checkpoint_{k}": v for k, v in self.counters.items()} | {"episodes_open": len(self._live)}
 
     def _ref(self, meta: UnitMeta) -> CheckpointRef:
         return CheckpointRef(episode_id=meta.episode_id, seq=meta.seq, steps=meta.steps, fs_digest=meta.fs_digest)

@@ -32,7 +32,7 @@ def export(episode_id: str = typer.Argument(..., help="Episode id"),
         from dsec.checkpoints.engine import EpisodeEngine
         data = EpisodeEngine.export_from(_store(), f"{tenant}--{episode_id}")
     else:
-        from dsec.checkpoints.engine import EpisodeInfo
+        from dsec.checkpoints.models import EpisodeInfo
         from dsec.sdk.episode import Episode
         data = Episode(EpisodeInfo(id=episode_id, steps=0, seq=0, sandbox_id=None, fs_digest="",
                                    has_context=False), client()).export()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from dsec.checkpoints.engine import CheckpointRef, EpisodeInfo, StepResult
+from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.sdk._client import Client
 from dsec.sdk._core import Call
