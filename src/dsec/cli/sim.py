@@ -27,6 +27,7 @@ def sim(
     seed: int = typer.Option(1, help="Seed (same seed -> same report)"),
     policies: str = typer.Option("ours,random,least-loaded,k8s", help="Comma-separated policies"),
     images: int = typer.Option(500, help="Distinct images (Zipf popularity)"),
+    jobs: int = typer.Option(1, help="Policies run in parallel processes (results identical)"),
 ) -> None:
     if hours <= 0 or rate_scale <= 0 or nodes < 0 or not 0 < utilisation <= 1.5:
         raise typer.BadParameter("need --hours > 0, --rate-scale > 0, --nodes >= 0, 0 < --utilisation <= 1.5")
@@ -39,7 +40,8 @@ def sim(
             with Progress(TextColumn("{task.description:>14}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                           TimeElapsedColumn(), console=console) as bar:
                 tasks = {p: bar.add_task(p, total=1.0) for p in cfg.policies}
-                meta, results = run_all(cfg, out, progress=lambda p, f: bar.update(tasks[p], completed=f))
+                meta, results = run_all(cfg, out, progress=lambda p, f: bar.update(tasks[p], completed=f),
+                                        jobs=jobs)
         else:
             done: set[str] = set()
 
@@ -47,7 +49,7 @@ def sim(
                 if f >= 1.0 and p not in done:
                     done.add(p)
                     console.print(f"{p}: done")
-            meta, results = run_all(cfg, out, progress=log)
+            meta, results = run_all(cfg, out, progress=log, jobs=jobs)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     table = Table(title=f"{meta['hours']} h, {meta['nodes']} nodes, ~{meta['arrivals_expected']:,.0f} creations")

@@ -136,15 +136,21 @@ class OursPolicy:
         nodes = cluster.nodes
         out: list[Node] = []
         half = max(1, self.k // 2)
+        rnd = rng.random
         for digest in (image.top, image.anchor) if image.top != image.anchor else (image.anchor,):
             holders = cluster.layer_index.get(digest)
             if holders is not None and len(holders):
                 items = holders.items
-                picks = items if len(items) <= half else rng.sample(items, half)
-                out.extend(nodes[h] for h in picks)
+                m = len(items)
+                if m <= half:
+                    out.extend([nodes[h] for h in items])
+                else:
+                    # With replacement: a duplicate candidate costs one extra score, while
+                    # random.sample costs more than the whole scoring loop.
+                    out.extend([nodes[items[int(rnd() * m)]] for _ in range(half)])
         n = len(nl)
         for _ in range(self.d):
-            out.append(nl[int(rng.random() * n)])
+            out.append(nl[int(rnd() * n)])
         return out
 
     def choose(self, req: Request, image: Image, cluster: ClusterView,

@@ -194,7 +194,10 @@ class Scheduler:
         self.stats["submitted"] += 1
         if self.pools is not None:
             self.pools.demand.observe(now, req.shape, req.tenant)
-        return self.ticket(req.request_id)
+        t = self.tickets[req.request_id]
+        t.position = self.queues.position(req, own=len(self.queues.tenants[req.tenant].queues[req.priority]) - 1)
+        t.eta_s = (t.position + 1) / self.drain_rate if self.drain_rate > 0 else 0.0
+        return t
 
     def depth(self) -> int:
         return len(self.queues) + len(self.delayed)

@@ -151,15 +151,19 @@ class TenantQueues:
         t.cpu += sign * cpu
         t.memory += sign * memory
 
-    def position(self, req: Request) -> int:
-        """Estimated number of requests placed before ``req`` (0 = next)."""
+    def position(self, req: Request, own: int | None = None) -> int:
+        """Estimated number of requests placed before ``req`` (0 = next).
+
+        ``own``: its index in its tenant's class queue when the caller knows it (just pushed).
+        """
         t = self.tenants.get(req.tenant)
         if t is None:
             return 0
-        try:
-            own = t.queues[req.priority].index(req)
-        except ValueError:
-            return 0
+        if own is None:
+            try:
+                own = t.queues[req.priority].index(req)
+            except ValueError:
+                return 0
         ahead = sum(len(o.queues[c]) for o in self.tenants.values() for c in range(req.priority))
         sharing = sum(1 for o in self.tenants.values() if o.queues[req.priority]) or 1
         return ahead + own * sharing

@@ -33,6 +33,7 @@ ROWS = [
     ("node_failures", "node failures", "{:d}"),
     ("sandboxes_lost_to_node_failures", "sandboxes lost (resubmitted)", "{:d}"),
     ("wall_s", "simulation wall time (s)", "{:.1f}"),
+    ("cpu_s", "simulation CPU time (s)", "{:.1f}"),
 ]
 
 
