@@ -178,3 +178,24 @@ def test_disk_full_is_storage_full_and_previous_unit_intact(work, reference):
     info, res, t, ctx = asyncio.run(_resume_and_finish(eng2))
     assert info.steps == failed_at
     _check_finished(reference, info, res, t, ctx)
+
+
+def test_episode_on_s3_store_resumes(work, reference, s3_store_factory):
+    """The same episode with an S3 checkpoint store (real S3 protocol server): a crash of
+    the client process mid-episode resumes from S3 alone on a fresh engine and cache."""
+    from dsec.checkpoints.engine import EpisodeEngine
+    eng = make_engine(work)
+    eng.store = s3_store_factory()
+
+    async def partial():
+        await eng.open("ep", SandboxSpec(image="bb"))
+        for i in range(5):
+            await eng.step("ep", i, ExecRequest(cmd=command(i)))
+            if i == 3:
+                await eng.save_context("ep", {"messages": ["m0", "m1", "m2", "m3"]})
+        await eng.forget("ep")
+    asyncio.run(partial())
+    fresh = EpisodeEngine(eng.settings, s3_store_factory(), eng.host, cache_dir=work / "other-node-cache")
+    info, res, t, ctx = asyncio.run(_resume_and_finish(fresh))
+    assert info.steps == 5
+    _check_finished(reference, info, res, t, ctx)
