@@ -92,7 +92,9 @@ class Settings(BaseSettings):
     image_stock_suite: str = Field("bookworm", description="Debian suite of the stock python image")
     image_build_step_timeout_s: float = Field(1800.0, description="Wall timeout of one RUN build step")
     image_build_output_max_bytes: int = Field(1024 * 1024, description="RUN step output kept (tail) per step")
-    layer_import_threads: int = Field(2, description="zstd worker threads compressing uncompressed layers on import")
+    layer_import_compress: bool = Field(False, description="Store uncompressed imported layers zstd-compressed (CPU for disk)")
+    layer_import_threads: int = Field(2, description="zstd worker threads when layer_import_compress is on")
+    layer_unpack_syncfs: bool = Field(False, description="syncfs before sealing an unpacked layer (see docs/images.md)")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")

@@ -42,8 +42,9 @@ BlobOpener = Callable[[], tuple[BinaryIO, str, str | None]]
 
 
 class LayerCache:
-    def __init__(self, root: Path, locks: KeyedLock) -> None:
+    def __init__(self, root: Path, locks: KeyedLock, sync: bool = False) -> None:
         self.root = root
+        self.sync = sync
         self.root.mkdir(parents=True, exist_ok=True)
         self._locks = locks
         self._trusted: set[str] = set()
@@ -141,7 +142,8 @@ class LayerCache:
             stream, compression, expected_digest = opener()
             with stream:
                 res = unpack_stream(stream, compression, tmp / "fs", what, expected_digest, diff_id, progress)
-            syncfs(tmp)
+            if self.sync:
+                syncfs(tmp)
             raw = json.dumps(res.manifest, separators=(",", ":")).encode()
             atomic_write(tmp / "manifest.json", raw)
             seal = {"format": SEAL_FORMAT, "diff_id": diff_id, "digest": res.digest,
@@ -155,13 +157,19 @@ class LayerCache:
             _rmtree(tmp)
             raise
 
-    def remove(self, diff_id: str) -> int:
+    def remove(self, diff_id: str, still_free: Callable[[], bool] | None = None) -> int:
+        """Delete an unpacked layer. ``still_free`` is asked AFTER the dir vanished: if a
+        lease appeared meanwhile (a prepare's lock-free fast path), the dir is put back
+        and -1 is returned; else the unpacked bytes freed."""
         d = self.dir(diff_id)
         if not d.exists():
             return 0
         size = self.unpacked_size(diff_id)
         trash = self.root / f".trash-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.rename(d, trash)  # atomic disappearance; the slow delete happens after
+        if still_free is not None and not still_free():
+            os.rename(trash, d)
+            return -1
         with self._tlock:
             self._trusted.discard(diff_id)
         _rmtree(trash)

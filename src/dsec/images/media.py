@@ -68,8 +68,10 @@ def decompressing_reader(raw: BinaryIO, compression: str) -> BinaryIO:
 class _ZstdSink:
     """zstd stream writer that never closes the underlying sink."""
 
-    def __init__(self, raw: BinaryIO, level: int) -> None:
-        self._w = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(
+    def __init__(self, raw: BinaryIO, level: int, threads: int = 0) -> None:
+        # threads >= 1 compresses in zstd's own worker threads (GIL-free, overlapping our
+        # Python work); the output is deterministic for a fixed thread setting.
+        self._w = zstandard.ZstdCompressor(level=level, write_checksum=True, threads=threads).stream_writer(
             raw, closefd=False)
 
     def write(self, data: bytes) -> int:
@@ -112,9 +114,10 @@ class _PlainSink:
         pass
 
 
-def compressing_writer(raw: BinaryIO, compression: str, level: int = 3) -> _ZstdSink | _GzipSink | _PlainSink:
+def compressing_writer(raw: BinaryIO, compression: str, level: int = 3,
+                       threads: int = 0) -> _ZstdSink | _GzipSink | _PlainSink:
     if compression == "zstd":
-        return _ZstdSink(raw, level)
+        return _ZstdSink(raw, level, threads)
     if compression == "gzip":
         return _GzipSink(raw, min(max(level, 1), 9))
     if compression == "tar":

@@ -9,6 +9,7 @@ that no other image references, and registers nothing; existing images are untou
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 import shutil
 import tarfile
 import tempfile
@@ -67,6 +68,18 @@ def import_archive(store: ImageStore, path: Path, name: str | None, progress: Pr
                     comp = media.sniff_compression(head) if lp.media_type is None else \
                         media.layer_compression(lp.media_type, what)
                     mt = lp.media_type or media.COMPRESSION_MT[comp]
+                    if comp == "tar" and store.settings.layer_compression != "tar" \
+                            and not store.layers.present(lp.diff_id):
+                        # Uncompressed (docker save): ONE pass unpacks it and stores a
+                        # compressed blob, instead of writing the raw tar and re-reading it.
+                        new_layers.append(lp.diff_id)
+                        adv = (lambda n: progress("import", n, total)) if progress else None
+                        li = _ingest_and_unpack(store, _Prefixed(head, fh), lp.diff_id, what, adv)  # type: ignore[arg-type]
+                        new_blobs.append(li.digest)
+                        store.lease(lease, [li.digest, lp.diff_id])
+                        layers.append(li)
+                        plan.manifest = None  # layer blobs changed: synthesize our manifest
+                        continue
                     expected = lp.digest or (lp.diff_id if comp == "tar" else None)
                     existed = expected is not None and store.content.has(expected)
                     adv = (lambda n: progress("import", n, total)) if progress else None
@@ -93,6 +106,84 @@ def import_archive(store: ImageStore, path: Path, name: str | None, progress: Pr
     finally:
         store.release(lease)
         src.close()
+
+
+class _Tee:
+    """Reads from ``src`` and copies every chunk read into ``sink``."""
+
+    def __init__(self, src: BinaryIO, sink: object) -> None:
+        self._src = src
+        self._sink = sink
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._src.read(n)
+        if data:
+            self._sink.write(data)  # type: ignore[attr-defined]
+        return data
+
+    def close(self) -> None:
+        pass  # the caller owns both ends
+
+    def __enter__(self) -> _Tee:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _ingest_and_unpack(store: ImageStore, stream: BinaryIO, diff_id: str, what: str,
+                       progress: Callable[[int], None] | None) -> LayerInfo:
+    from dsec.images.fsutil import CHUNK
+
+    s = store.settings
+    if not s.layer_import_compress:
+        return _ingest_raw_and_unpack(store, stream, diff_id, what, progress)
+    with store.content.writer() as w:
+        comp = media.compressing_writer(w, s.layer_compression, s.layer_zstd_level,  # type: ignore[arg-type]
+                                        threads=s.layer_import_threads)
+        tee = _Tee(stream, comp)
+        _, hit = store.layers.ensure(diff_id, lambda: (tee, "tar", diff_id), what, progress)  # type: ignore[arg-type,return-value]
+        if hit:  # another process unpacked it meanwhile: still store the blob
+            while tee.read(CHUNK):
+                pass
+        else:
+            store.misses += 1
+        comp.close()
+        digest, size = w.commit(what=what)
+    return LayerInfo(digest=digest, diff_id=diff_id, size=size, media_type=media.COMPRESSION_MT[s.layer_compression])
+
+
+def _ingest_raw_and_unpack(store: ImageStore, stream: BinaryIO, diff_id: str, what: str,
+                           progress: Callable[[int], None] | None) -> LayerInfo:
+    """Uncompressed layer kept as is: blob digest == diff_id, which the unpack verifies
+    from the very bytes teed into the blob file, so the blob is not hashed a second time."""
+    from dsec.images.fsutil import CHUNK
+
+    fd, tmp_name = tempfile.mkstemp(dir=store.content.ingest_dir, prefix=f"w{os.getpid()}-")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            tee = _Tee(stream, fh)
+            _, hit = store.layers.ensure(diff_id, lambda: (tee, "tar", diff_id), what, progress)  # type: ignore[arg-type,return-value]
+            if hit:
+                import hashlib
+                h = hashlib.sha256()
+                while chunk := tee.read(CHUNK):
+                    h.update(chunk)
+                if "sha256:" + h.hexdigest() != diff_id:
+                    from dsec.errors import DigestMismatch
+                    raise DigestMismatch(f"{what}: content hashes to sha256:{h.hexdigest()}, config says "
+                                         f"diff_id {diff_id}", expected=diff_id)
+            else:
+                store.misses += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+            size = fh.tell()
+        store.content._place(tmp, diff_id)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return LayerInfo(digest=diff_id, diff_id=diff_id, size=size, media_type=media.MT_LAYER_TAR)
 
 
 def _rollback(store: ImageStore, blobs: list[str], layers: list[str], lease: str) -> None:
@@ -283,9 +374,10 @@ def evict(store: ImageStore, leased: set[str] | None = None, stats: dict | None 
     for d in policy.plan_eviction(lstats, images, leased, store.settings.image_cache_max_images,
                                   store.max_bytes(), now):
         with store.locks.hold("layer-" + d):
-            if d in store.db.leased_objects():  # re-check under the lock: a prepare may have leased it
-                continue
-            out.append((d, store.layers.remove(d)))
+            # A prepare's fast path takes no lock: re-check the lease once the dir is gone.
+            freed = store.layers.remove(d, still_free=lambda d=d: d not in store.db.leased_objects())
+            if freed >= 0:
+                out.append((d, freed))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import BinaryIO
 from pydantic import BaseModel
 
 from dsec.config import Settings, parse_bytes
-from dsec.errors import ImageError, NotFound
+from dsec.errors import DigestMismatch, ImageError, NotFound
 from dsec.images import media, policy
 from dsec.images.content import ContentStore
 from dsec.images.db import MetaDB
@@ -47,7 +47,7 @@ class ImageStore:
         root.mkdir(parents=True, exist_ok=True)
         self.content = ContentStore(root / "blobs")
         self.locks = KeyedLock(root / "locks")
-        self.layers = LayerCache(root / "layers", self.locks)
+        self.layers = LayerCache(root / "layers", self.locks, settings.layer_unpack_syncfs)
         self.db = MetaDB(root / "meta.db")
         self._infos: dict[str, ImageInfo] = {}  # image id -> info (content-addressed: immutable)
         self.hits = 0    # layer uses served from the local unpacked cache
@@ -156,7 +156,15 @@ class ImageStore:
             raise NotFound(f"layer {li.digest} (diff_id {li.diff_id}) is neither unpacked nor in the content "
                            "store; re-import the image")
         adv = (lambda n: progress(f"unpack {li.digest[7:19]}", n, li.size)) if progress else None
-        path, hit = self.layers.ensure(li.diff_id, self._opener(li), f"layer {li.digest}", adv)
+        try:
+            path, hit = self.layers.ensure(li.diff_id, self._opener(li), f"layer {li.digest}", adv)
+        except DigestMismatch as exc:
+            if exc.details.get("expected") != li.digest:
+                raise  # a config whose diff_id lies: the blob is fine (maybe shared), keep it
+            # The stored blob itself is bad (disk corruption, tampering): never keep it.
+            self.content.delete(li.digest)
+            raise DigestMismatch(f"{exc.message}; the cached blob was removed, re-import the image",
+                                 **exc.details) from exc
         if hit:
             self.hits += 1
         else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import os
 import posixpath
 import shutil
@@ -37,6 +38,9 @@ import zstandard
 from dsec.errors import DigestMismatch, ImageError, UnsafeLayer
 from dsec.images.fsutil import CHUNK, HashingReader
 from dsec.images.media import decompressing_reader
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once at import (before threads start): umask has no getter
 
 WH_PREFIX = ".wh."
 WH_OPAQUE = ".wh..wh..opq"
@@ -86,6 +90,7 @@ class _Unpacker:
         self.opaque: set[str] = set()
         self.files: dict[str, list[object]] = {}
         self.root = os.geteuid() == 0
+        self.ids = (os.geteuid(), os.getegid())
         self.unpacked = 0
 
     def _full(self, rel: str) -> str:
@@ -125,15 +130,17 @@ class _Unpacker:
             os.unlink(full)
         self.files.pop(rel, None)
 
-    def _meta(self, full: str, ti: tarfile.TarInfo, fd: int | None = None) -> None:
+    def _meta(self, full: str, ti: tarfile.TarInfo, fd: int | None = None, created_mode: int = -1) -> None:
         mode = ti.mode & 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
-        if self.root:
+        # Skip syscalls that would change nothing (most entries are root-owned 0644/0755).
+        if self.root and (ti.uid, ti.gid) != self.ids:
             if fd is not None:
                 os.fchown(fd, ti.uid, ti.gid)
             else:
                 os.lchown(full, ti.uid, ti.gid)
         if fd is not None:
-            os.fchmod(fd, mode)
+            if created_mode != mode:
+                os.fchmod(fd, mode)
             os.utime(fd, (ti.mtime, ti.mtime))
         else:
             os.utime(full, (ti.mtime, ti.mtime), follow_symlinks=False)
@@ -178,7 +185,9 @@ class _Unpacker:
             return
         self._clear(rel)
         if ti.isreg():
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            # Create with the final mode when the umask lets it through (saves an fchmod).
+            create = mode if mode & 0o7000 == 0 and mode & _UMASK == 0 else 0o600
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
             try:
                 h = hashlib.sha256()
                 src = tf.extractfile(ti)
@@ -186,7 +195,7 @@ class _Unpacker:
                 while chunk := src.read(CHUNK):
                     h.update(chunk)
                     _write_all(fd, chunk)
-                self._meta(full, ti, fd)
+                self._meta(full, ti, fd, create)
             finally:
                 os.close(fd)
             self.kinds[rel] = "f"
@@ -245,6 +254,20 @@ class _Unpacker:
         return records
 
 
+class _Raw(io.RawIOBase):
+    def __init__(self, src: HashingReader) -> None:
+        self._src = src
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        data = self._src.read(len(b))
+        n = len(data)
+        b[:n] = data
+        return n
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -258,13 +281,18 @@ def unpack_stream(raw: BinaryIO, compression: str, dest: Path, what: str,
     """Unpack one layer stream into the empty directory ``dest``; verify both digests."""
     outer = HashingReader(raw, progress)
     try:
-        inner = HashingReader(decompressing_reader(outer, compression))  # type: ignore[arg-type]
+        # Uncompressed: blob digest == diff_id, so hash the bytes once, not twice.
+        inner = outer if compression == "tar" else HashingReader(decompressing_reader(outer, compression))  # type: ignore[arg-type]
         u = _Unpacker(dest, what)
-        with tarfile.open(fileobj=inner, mode="r|", errorlevel=2) as tf:  # type: ignore[call-overload]
+        # tarfile's stream mode reads 10 KiB at a time; a C-level 1 MiB buffer in between
+        # keeps hashing/decompression/tee work in big chunks (much less Python per byte).
+        buffered = io.BufferedReader(_Raw(inner), buffer_size=1 << 20)  # type: ignore[arg-type]
+        with tarfile.open(fileobj=buffered, mode="r|", errorlevel=2) as tf:  # type: ignore[call-overload]
             for ti in tf:
                 u.entry(ti, tf)
         inner.drain()
-        outer.drain()
+        if inner is not outer:
+            outer.drain()
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zstandard.ZstdError, zlib.error) as exc:
         raise ImageError(f"{what}: corrupt or truncated layer ({type(exc).__name__}: {exc}); "
                          "re-export the image", reason=str(exc)) from exc
