@@ -70,3 +70,18 @@ def test_umoci_repack_imports(store: ImageStore, exported: Path, tmp_path: Path)
     top = store.layer_dirs(info.id)[-1]
     assert (top / "work/new.txt").read_text() == "from umoci"
     assert (top / "etc/hosts").is_char_device()  # OCI whiteout -> overlay whiteout
+
+
+def test_docker_archive_import_can_store_zstd(exported: Path, tmp_path: Path) -> None:
+    """With layer_import_compress on, an uncompressed docker-archive layer is stored as a
+    zstd blob (same diff_id, new digest) and the image still exports to a valid layout."""
+    from dsec.config import load_settings
+    sh("skopeo", "copy", f"oci:{exported}:gz", f"docker-archive:{tmp_path}/b.tar:bb:v2")
+    home = tmp_path / "z"
+    st = ImageStore(home / "images", load_settings(home=home, layer_import_compress=True))
+    info = st.import_archive(tmp_path / "b.tar")
+    li = info.layers[0]
+    assert li.media_type.endswith("tar+zstd") and li.digest != li.diff_id
+    assert (st.layer_dirs(info.id)[0] / "bin/busybox").is_file()
+    st.export("bb:v2", tmp_path / "out", tag="t")
+    assert json.loads(sh("skopeo", "inspect", f"oci:{tmp_path}/out:t"))["Layers"] == [li.digest]

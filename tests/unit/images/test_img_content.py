@@ -83,3 +83,19 @@ def test_normalize_name() -> None:
     assert normalize_name("reg:5000/a/b") == "reg:5000/a/b:latest"
     with pytest.raises(InvalidArgument):
         normalize_name("bad name")
+
+
+def test_layer_removal_is_undone_when_a_lease_appears(tmp_path: Path) -> None:
+    """Eviction renames a layer away, then re-checks for a lease; a prepare that leased it
+    meanwhile (lock-free fast path) keeps its layer."""
+    from dsec.images.layers import LayerCache
+
+    cache = LayerCache(tmp_path / "layers", KeyedLock(tmp_path / "locks"))
+    diff_id = "sha256:" + "ab" * 32
+    (cache.dir(diff_id) / "fs").mkdir(parents=True)
+    (cache.dir(diff_id) / "seal.json").write_text("{}")
+    assert cache.remove(diff_id, still_free=lambda: False) == -1
+    assert cache.present(diff_id)
+    assert cache.remove(diff_id, still_free=lambda: True) == 0
+    assert not cache.dir(diff_id).exists()
+    assert [p.name for p in cache.root.iterdir()] == []
