@@ -9,13 +9,13 @@ that no other image references, and registers nothing; existing images are untou
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 import shutil
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Self
 
 from dsec.errors import DSecError, ImageError, InvalidArgument
 from dsec.images import media, policy
@@ -124,7 +124,7 @@ class _Tee:
     def close(self) -> None:
         pass  # the caller owns both ends
 
-    def __enter__(self) -> _Tee:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
