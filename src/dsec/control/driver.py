@@ -18,6 +18,7 @@ Wiring into the API service (its ``Creator`` seam)::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -46,8 +47,7 @@ def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings
     return Request(request_id, tenant, spec.image, spec.cpu or s.default_cpu, mem, disk,
                    PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
                    bool(spec.network), spec.timeout or s.default_timeout_s, dict(spec.labels),
-                   task_type=task_type or spec.labels.get("task"),
-                   owner=owner or spec.labels.get("run"), payload=spec)
+                   task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec)
 
 
 class SchedulerDriver:
@@ -200,7 +200,7 @@ class SchedulerDriver:
             req = p.request
             assert req is not None
             if p.kind == "warm":
-                info = await agent.set_timeout(p.sandbox_id, req.ttl)  # type: ignore[arg-type]
+                info = await self._claim(agent, p.sandbox_id, req)  # type: ignore[arg-type]
                 self._resolve(req.request_id, info)
                 return
             for sid in p.evict:
@@ -216,6 +216,15 @@ class SchedulerDriver:
                 # A bad spec or image fails the same way on every node: no retry.
                 self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT))
 
+    async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
+        """Hand a pool member to the user. Agents with ``claim`` (LocalNodeAgent) apply the
+        request's labels/env/tenant and start its TTL; others only get the TTL set."""
+        claim = getattr(agent, "claim", None)
+        spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
+        if claim is not None:
+            return await claim(sandbox_id, spec, req.tenant)
+        return await agent.set_timeout(sandbox_id, req.ttl)
+
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
             spec = SandboxSpec(image=req.image, cpu=req.cpu, memory=req.memory, disk=req.disk,
@@ -225,8 +234,12 @@ class SchedulerDriver:
         else:
             spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
         async with self._sem(p.node_id):
-            info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
-                                      tenant=None if p.kind == "pool" else req.tenant)
+            if p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
+                # A pooled create stays "ready" with no TTL running until it is claimed.
+                info = await agent.create(spec, pooled=True)  # type: ignore[call-arg]
+            else:
+                info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
+                                          tenant=None if p.kind == "pool" else req.tenant)
         now = self.clock()
         img = self.sched.images.get(req.image)
         if img is not None:

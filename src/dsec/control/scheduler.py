@@ -187,6 +187,8 @@ class Scheduler:
             raise Overloaded(f"scheduler queue is at {depth}/{self.s.queue_capacity}; retry request "
                              f"{req.request_id!r} after {ra}s", retry_after=ra, queue_depth=depth)
         req.submitted_at = now
+        if req.owner is not None and req.owner not in self.leases:
+            self.heartbeat(req.owner, now)  # the lease starts with the first request
         self.queues.push(req)
         self.pending[req.request_id] = req
         self.tickets[req.request_id] = Ticket(req.request_id, "queued")

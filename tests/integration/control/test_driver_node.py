@@ -1,0 +1,78 @@
+"""The scheduler driver over a real LocalNodeAgent: real runc sandboxes are placed, a
+warm-pool member is pre-created and claimed by the next request of its shape, the TTL is
+reaped, and nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dsec.config import load_settings
+from dsec.control.driver import SchedulerDriver
+from dsec.control.scheduler import Scheduler
+from dsec.images import ImageStore
+from dsec.images.stock import ensure_stock
+from dsec.models import ExecRequest, SandboxSpec
+from dsec.node.agent import LocalNodeAgent
+from dsec.runtime.agent_build import ensure_agent_binary
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def driver(tmp_path: Path) -> AsyncIterator[tuple[SchedulerDriver, LocalNodeAgent]]:
+    home = tmp_path / "home"
+    home.mkdir()
+    run_dir = Path(tempfile.mkdtemp(prefix="dsc-", dir="/tmp"))  # short: socket paths
+    s = load_settings(home=home, run_dir=run_dir, layer_compression="tar", net_enabled=False,
+                      batch_window_s=0.02, reaper_interval_s=0.2)
+    store = ImageStore(home / "images", s)
+    ensure_stock(store, only=["busybox"], log=lambda _: None)
+    ensure_agent_binary(home / "bin")
+    node = LocalNodeAgent(s, images=store)
+    await node.manager.start()
+    d = SchedulerDriver(Scheduler(s, pools=True), {node.node_id: node}, s)
+    await d.start()
+    try:
+        yield d, node
+    finally:
+        await d.close()
+        for sid in list(node.manager.live):
+            await node.manager.destroy(sid)
+        node.manager.close()
+
+
+def small(**kw: object) -> SandboxSpec:
+    return SandboxSpec(image="busybox", cpu=0.5, memory="256M", disk="64M", **kw)  # type: ignore[arg-type]
+
+
+async def test_places_real_sandboxes_and_claims_pool_member(driver) -> None:  # type: ignore[no-untyped-def]
+    """create() runs a real sandbox; the pool pre-creates one of that shape; the next create
+    claims it (different id, the request's labels, TTL from hand-over); release and TTL reap
+    destroy them."""
+    d, node = driver
+    first = await d.create(small(labels={"run": "r1"}), "sb-first", "t1")
+    assert first.id == "sb-first"
+    r = await node.exec(first.id, ExecRequest(cmd="echo placed"))
+    assert r.exit_code == 0 and r.stdout.strip() == "placed"
+    for _ in range(200):  # the pool member is created in the background
+        if d.sched.pools.size():  # type: ignore[union-attr]
+            break
+        await asyncio.sleep(0.05)
+    assert d.sched.pools.size() >= 1  # type: ignore[union-attr]
+    second = await d.create(small(labels={"run": "r2"}, timeout=1.0), "sb-second", "t1")
+    assert second.id != "sb-second" and second.labels == {"run": "r2"} and second.tenant == "t1"
+    assert d.sched.stats["warm_hits"] == 1
+    r = await node.exec(second.id, ExecRequest(cmd="echo warm"))
+    assert r.stdout.strip() == "warm"
+    await d.release(first.id)
+    assert first.id not in node.manager.live
+    for _ in range(100):  # 1 s TTL from hand-over, then the scheduler's reaper destroys it
+        if second.id not in node.manager.live:
+            break
+        await asyncio.sleep(0.05)
+    assert second.id not in node.manager.live and second.id not in d.sched.running
