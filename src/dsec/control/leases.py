@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsec.config import Settings
+from dsec.config import Settings, get_settings
 
 
 @dataclass(slots=True)
@@ -35,8 +35,9 @@ class ReapDecision:
 
 
 def reap_decisions(now: float, sandboxes: list[LeasedSandbox], leases: dict[str, Lease],
-                   s: Settings) -> list[ReapDecision]:
+                   s: Settings | None = None) -> list[ReapDecision]:
     """Which sandboxes to clean now, and why (TTL first: it is the stronger reason)."""
+    s = s or get_settings()
     silent = s.heartbeat_interval_s * s.heartbeat_misses
     out: list[ReapDecision] = []
     for sb in sandboxes:
