@@ -8,6 +8,7 @@ that no other image references, and registers nothing; existing images are untou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tarfile
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Self
 
-from dsec.errors import DSecError, ImageError, InvalidArgument
+from dsec.errors import DSecError, InvalidArgument
 from dsec.images import media, policy
 from dsec.images.oci import normalize_name, plan_archive, write_layout
 from dsec.models.image import ImageInfo, LayerInfo
@@ -83,10 +84,11 @@ def import_archive(store: ImageStore, path: Path, name: str | None, progress: Pr
                     expected = lp.digest or (lp.diff_id if comp == "tar" else None)
                     existed = expected is not None and store.content.has(expected)
                     adv = (lambda n: progress("import", n, total)) if progress else None
-                    try:
+                    # One writer per known digest (threads and processes); the others wait,
+                    # then find the blob present and only verify it.
+                    with store.locks.hold("blob-" + expected) if expected else contextlib.nullcontext():
+                        existed = expected is not None and store.content.has(expected)
                         digest, size = store.content.ingest(_Prefixed(head, fh), expected, what, adv)  # type: ignore[arg-type]
-                    except ImageError as exc:
-                        raise type(exc)(f"{exc.message}", **exc.details) from exc
                 if not existed:
                     new_blobs.append(digest)
                 store.lease(lease, [digest, lp.diff_id])

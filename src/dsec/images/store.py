@@ -11,6 +11,7 @@ Layout under ``root`` (= ``settings.home / "images"``)::
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -243,6 +244,28 @@ class ImageStore:
                 reason = self.layers.verify(li.diff_id, deep=deep)
             out[li.digest] = reason
         return out
+
+    def preverify(self) -> dict[str, str | None]:
+        """Unpack/verify every image's layers now (the per-process first-use check), so the
+        first sandbox create does not pay it. Returns {diff_id: error or None}."""
+        out: dict[str, str | None] = {}
+        for info in self.list():
+            for li in info.layers:
+                if li.diff_id in out:
+                    continue
+                try:
+                    self.ensure_layer(li)
+                    out[li.diff_id] = None
+                except (ImageError, NotFound) as exc:
+                    out[li.diff_id] = exc.message
+        return out
+
+    def start_preverify(self) -> threading.Thread:
+        """``preverify`` in a daemon thread (call at node start-up; prepares that need a
+        layer being verified simply wait on that layer's lock)."""
+        t = threading.Thread(target=self.preverify, name="dsec-image-preverify", daemon=True)
+        t.start()
+        return t
 
     def max_bytes(self) -> int:
         return parse_bytes(self.settings.image_cache_max_bytes)

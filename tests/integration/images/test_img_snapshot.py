@@ -96,6 +96,7 @@ def test_tampered_unpacked_layer_is_reunpacked(store: ImageStore, home: Path) ->
     (fs / "etc/passwd").write_text("evil:x:0:0::/:/bin/sh\n" * 3)
     fresh = ImageStore(store.root, store.settings)
     assert fresh.layers.verify(info.layers[0].diff_id) is not None
+    assert fresh.start_preverify().join() is None and fresh.misses == 1  # node start-up pre-verification
     fs2 = fresh.layer_dirs(info.id)[0]
     assert fresh.misses == 1 and (fs2 / "etc/passwd").read_text().startswith("root:")
     # a wrong seal (stale tree from old code) is never trusted either
