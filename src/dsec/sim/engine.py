@@ -73,6 +73,7 @@ def run_policy(cfg: SimConfig, policy: str, base: Settings | None = None,
     down = [False] * n_nodes
     overloaded = [False] * n_nodes
     pull_free = [0.0] * n_nodes
+    start_slots: list[list[float]] = [[] for _ in range(n_nodes)]
     sbs: dict[str, _Sb] = {}
     by_rid: dict[str, Arrival] = {}
     remaining: dict[str, float] = {}  # preempted sandbox -> episode time left
@@ -170,7 +171,14 @@ def run_policy(cfg: SimConfig, policy: str, base: Settings | None = None,
             if pulled:
                 pull_free[i] = max(now, pull_free[i]) + pulled / cfg.pull_bandwidth
                 ready = pull_free[i]
+            # At most parallel_limit() starts run at once per node (raised under backpressure):
+            # a start takes the earliest free slot.
+            slots = start_slots[i]
+            while len(slots) < sched.parallel_limit():
+                heapq.heappush(slots, 0.0)
+            ready = max(ready, heapq.heappop(slots))
             ready += cfg.start_latency_s + (cfg.gvisor_extra_s if im.isolation == "gvisor" else 0.0)
+            heapq.heappush(slots, ready)
             m["creates"] += 1
             if p.kind == "create":
                 m["user_placed"] += 1
