@@ -226,9 +226,11 @@ class LeastLoadedPolicy:
     def choose(self, req: Request, image: Image, cluster: ClusterView,
                rng: random.Random) -> tuple[Node, int] | None:
         best, best_f = None, 1e18
+        ratio, thr, cpu = self.ratio, self.threshold, req.cpu
         for node in cluster.node_list:
             f = node.used_cpu / node.cpu
-            if f < best_f and _eligible(node, req, self.ratio, self.threshold):
+            if (f < best_f and node.used_cpu + cpu <= node.cpu * ratio + 1e-9
+                    and _eligible(node, req, ratio, thr)):
                 best, best_f = node, f
         return (best, missing_bytes(best, image)) if best is not None else None
 
@@ -259,13 +261,21 @@ class K8sPolicy:
         spread = [(d, sz * len(cluster.layer_index.get(d) or ()) / total_nodes) for d, sz in image.layers]
         start = int(rng.random() * n)
         best, best_s, found = None, -1e18, 0
-        for i in range(n):
-            node = nl[(start + i) % n]
-            if not _eligible(node, req, self.ratio, self.threshold):
+        ratio, thr = self.ratio, self.threshold
+        cpu, mem, disk, iso = req.cpu, req.memory, req.disk, req.isolation
+        order = nl[start:] + nl[:start]
+        for node in order:
+            # Cheap resource checks first (inlined), the full filter only for survivors.
+            if (not node.healthy or node.used_cpu + cpu > node.cpu * ratio + 1e-9
+                    or node.used_memory + mem > node.memory * ratio or node.used_disk + disk > node.disk
+                    or iso not in node.isolation or not _eligible(node, req, ratio, thr)):
                 continue
             found += 1
             have = node.layers
-            loc = sum(w for d, w in spread if d in have)
+            loc = 0.0
+            for d, w in spread:
+                if d in have:
+                    loc += w
             loc = min(max(loc, self.MIN_BYTES), self.MAX_BYTES)
             loc_score = 100.0 * (loc - self.MIN_BYTES) / (self.MAX_BYTES - self.MIN_BYTES)
             fit = 50.0 * ((1 - node.used_cpu / node.cpu) + (1 - node.used_memory / node.memory))
