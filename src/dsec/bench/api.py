@@ -127,14 +127,14 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
 def _probe(url: str, interval: float, stop: Any, q: Any) -> None:
     import httpx
 
-    lat: list[float] = []
+    lat: list[tuple[float, float]] = []  # (wall clock at send, latency)
     errors = 0
     with httpx.Client(base_url=url, timeout=10) as c:
         while not stop.is_set():
-            t0 = time.perf_counter()
+            at, t0 = time.time(), time.perf_counter()
             try:
                 c.get("/health").raise_for_status()
-                lat.append(time.perf_counter() - t0)
+                lat.append((at, time.perf_counter() - t0))
             except httpx.HTTPError:
                 errors += 1
             time.sleep(interval)
@@ -174,8 +174,10 @@ async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval
                 failures += r.exit_code != 0 or r.stdout != f"{k}\n"
 
         try:
+            w0 = time.time()
             ids = await asyncio.gather(*(create_one() for _ in range(sandboxes)))
             create_wall = time.perf_counter() - t0
+            w1 = time.time()
             t1 = time.perf_counter()
             await asyncio.gather(*(drive(s) for s in ids))
             exec_wall = time.perf_counter() - t1
@@ -189,7 +191,10 @@ async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval
             "create_wall_s": round(create_wall, 3), "creates_per_s": round(sandboxes / create_wall, 1),
             "exec": _stats(lat), "exec_wall_s": round(exec_wall, 3),
             "execs_per_s": round(len(lat) / exec_wall, 1), "exec_failures": failures,
-            "health_during_load": _stats(probe["latencies"]) | {"errors": probe["errors"]},
+            "health_during_load": _stats([x for _, x in probe["latencies"]]) | {"errors": probe["errors"]},
+            # Split by phase: create bursts vs the exec phase (different parts of the node work).
+            "health_during_creates": _stats([x for at, x in probe["latencies"] if w0 <= at < w1]),
+            "health_during_execs": _stats([x for at, x in probe["latencies"] if at >= w1]),
             "killed": len(killed),
         }
     return res
