@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     api_scheduler: bool = Field(False, description="Creates go through the control-plane scheduler driver")
     api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
     client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")
+    api_loop_lag_probe_s: float = Field(0.25, description="Event-loop lag is sampled this often (metric)")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 

@@ -59,6 +59,8 @@ class Metrics:
         self.components = _ComponentCounters()
         r.register(self.components)
         self.audit_records = Counter("dsec_audit_records", "Audit records written", registry=r)
+        self.loop_lag = Histogram("dsec_event_loop_lag_seconds", "How late the API event loop runs a timer "
+                                  "(blocking work on the loop shows here)", buckets=_API_BUCKETS, registry=r)
         self.inflight_creates = Gauge("dsec_inflight_creates", "Sandbox creates in flight", registry=r)
 
     def set_states(self, counts: dict[str, int], all_states: list[str]) -> None:

@@ -90,6 +90,7 @@ class Services:
             await self.scheduler.start()
         self.audit.start()
         self._tasks.append(asyncio.create_task(self._housekeeping(), name="dsec-housekeeping"))
+        self._tasks.append(asyncio.create_task(self._loop_lag(), name="dsec-loop-lag"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -111,6 +112,14 @@ class Services:
             except Exception:
                 log.exception("housekeeping failed; retrying next interval")
             await asyncio.sleep(self.settings.api_prune_interval_s)
+
+    async def _loop_lag(self) -> None:
+        period = self.settings.api_loop_lag_probe_s
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(period)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - t0 - period))
 
     async def refresh_metrics(self) -> None:
         """Scrape-time gauges: live sandboxes by state and component counters."""
