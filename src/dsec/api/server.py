@@ -20,6 +20,7 @@ from typing import Any
 from dsec.api.auth import hash_token
 from dsec.api.services import Services
 from dsec.config import Settings
+from dsec.errors import Conflict
 from dsec.sdk._config import SERVER_FILE, TOKEN_FILE, read_token_file
 from dsec.state.sqlite import SqliteStateStore
 
@@ -121,10 +122,23 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _on_signal)
-    task = asyncio.create_task(server.serve())
+    async def guarded() -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn's way of saying "could not start" (it already logged why)
+            raise Conflict(f"the API server did not start on {host}:{port}: see the error logged above "
+                            "(port in use: pick another with --port or stop the other server)",
+                            host=host, port=port) from None
+
+    task = asyncio.create_task(guarded())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     server_file = settings.home / SERVER_FILE
+    if not server.started:
+        try:
+            await task
+        finally:
+            services.state.close()  # uvicorn already ran the lifespan shutdown (services.close)
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"

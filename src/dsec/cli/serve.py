@@ -6,11 +6,13 @@ from pathlib import Path
 
 import typer
 
+from dsec.cli.common import handle_errors
 from dsec.config import load_settings
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @handle_errors
     def serve(host: str | None = typer.Option(None, "--host", help="Bind address (default Settings.host)"),
               port: int | None = typer.Option(None, "--port", help="Port (default Settings.port; 0 = any)"),
               home: Path | None = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
