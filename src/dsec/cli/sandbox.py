@@ -66,7 +66,11 @@ def register(app: typer.Typer) -> None:
         c = client()
         spec = build_spec(image=image, cpu=cpu, memory=memory, timeout=timeout, isolation=isolation,
                           network=network, labels=parse_labels(label))
-        info = c.create(spec)
+        if err.is_terminal and not as_json:
+            with err.status(f"creating a {image} sandbox (a cold image is unpacked on first use)"):
+                info = c.create(spec)
+        else:
+            info = c.create(spec)
         if not as_json:
             err.print(f"[dim]sandbox {info.id} ({info.image}, {info.isolation})[/dim]")
         try:
