@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     layer_import_compress: bool = Field(False, description="Store uncompressed imported layers zstd-compressed (CPU for disk)")
     layer_import_threads: int = Field(2, description="zstd worker threads when layer_import_compress is on")
     layer_unpack_syncfs: bool = Field(False, description="syncfs before sealing an unpacked layer (see docs/images.md)")
+    image_unpack_workers: int = Field(2, description="Worker processes unpacking an image's layers on import")
+    image_parallel_unpack_min_bytes: int = Field(64 * 1024 * 1024, description="Use unpack workers above this image size")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")
@@ -179,6 +181,10 @@ class Settings(BaseSettings):
     agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")
     agent_grace_s: float = Field(10.0, description="Wait past an exec's timeout before the agent is declared lost")
     agent_listen_backlog: int = Field(4096, description="listen() backlog of each sandbox's agent socket")
+
+    # --- gVisor exec (added by the sandbox security suite; dsec.node.agent) ------------
+    gvisor_exec_drain_s: float = Field(0.05, description="After a gVisor exec's command exits, wait this long "
+                                       "for output still in its pipes (background jobs may hold them open)")
 
     # --- state / cluster --------------------------------------------------------------
     state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")

@@ -18,7 +18,6 @@ from typing import Any
 from dsec.config import Settings
 from dsec.errors import InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
-from dsec.models import SandboxState as S
 from dsec.node.api import ExecEvent, NodeCapacity
 from dsec.node.files import SandboxFS
 from dsec.node.manager import SandboxManager
@@ -30,6 +29,71 @@ log = logging.getLogger("dsec.node")
 
 def _decode(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
+
+
+async def _run_collect(argv: list[str], stdin: bytes, deadline_s: float, limit: int,
+                       drain_s: float) -> tuple[int, bytes, bytes, bool]:
+    """Run argv (``runsc exec``) with piped stdio; return (exit code, out, err, lost).
+
+    Ends when the process exits, not when its pipes close: background jobs the command
+    left (`server &`) inherit stdout/stderr and keep them open for as long as they run.
+    After the exit we take what is already in the pipes (``drain_s``) and close our ends,
+    like the runc tier's agent. asyncio's subprocess wait() would block on those pipes,
+    so the exit is watched with a pidfd. ``lost``: runsc outlived ``deadline_s`` and was killed.
+    """
+    import os
+    import signal
+
+    from dsec.runtime.oci_runtime import _wait_pid
+
+    loop = asyncio.get_running_loop()
+    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[  # noqa: ASYNC221 - spawn, no wait
+            (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
+    except BaseException:
+        for fd in (in_w, out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+    bufs = (bytearray(), bytearray())
+    transports: list[asyncio.BaseTransport] = []
+    readers = []
+    for fd, buf in ((out_r, bufs[0]), (err_r, bufs[1])):
+        reader = asyncio.StreamReader()
+        tr, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r),  # type: ignore[misc]
+                                             os.fdopen(fd, "rb", buffering=0))
+        transports.append(tr)
+
+        async def pump(r: asyncio.StreamReader = reader, b: bytearray = buf) -> None:
+            while chunk := await r.read(65536):
+                b += chunk[:max(0, limit + 1 - len(b))]  # keep draining past the limit
+
+        readers.append(asyncio.create_task(pump()))
+    wtr, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(in_w, "wb", buffering=0))
+    transports.append(wtr)
+    lost = False
+    try:
+        if stdin:
+            wtr.write(stdin)  # buffered by the loop; a command that never reads just drops it
+        wtr.write_eof()  # type: ignore[attr-defined]
+        try:
+            code = await asyncio.wait_for(_wait_pid(pid), deadline_s)
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            code = await _wait_pid(pid)
+            lost = True
+        await asyncio.wait(readers, timeout=drain_s)
+    finally:
+        for t in readers:
+            t.cancel()
+        for tr in transports:
+            tr.close()
+    return code, bytes(bufs[0]), bytes(bufs[1]), lost
 
 
 class LocalNodeAgent:
@@ -153,6 +217,9 @@ class LocalNodeAgent:
         rec = self.manager.live_record(sandbox_id)
         env = {**rec.env, **(req.env or {})}
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        # Commands run as root (OCI process.user); git, pip and shells need HOME. runc-tier
+        # execs get exactly this env (the gVisor tier inherits PID 1's HOME=/root).
+        env.setdefault("HOME", "/root")
         cwd = req.cwd or rec.workdir or "/"
         timeout = req.timeout or self.settings.exec_default_timeout_s
         return rec, req.argv(), env, cwd, timeout
@@ -187,14 +254,13 @@ class LocalNodeAgent:
         rt = self.manager.runtime("gvisor")
         inner = [AGENT_PATH_IN_SANDBOX, "run", "--timeout-ms", str(int(timeout * 1000)), "--cwd", cwd, "--", *argv]
         t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            *rt.exec_argv(sandbox_id, inner, env, "/"), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await proc.communicate(stdin or b"")
-        code = proc.returncode if proc.returncode is not None else -1
         limit = self.settings.max_exec_output_bytes
+        code, out, err, lost = await _run_collect(rt.exec_argv(sandbox_id, inner, env, "/"), stdin or b"",
+                                                  timeout + self.settings.agent_grace_s, limit,
+                                                  self.settings.gvisor_exec_drain_s)
+        timed_out = lost or (code == 124 and b"dsec-init: timeout" in err)
         return ExecResult(exit_code=code, stdout=_decode(out[:limit]), stderr=_decode(err[:limit]),
-                          duration=time.perf_counter() - t0, timed_out=code == 124 and b"dsec-init: timeout" in err,
+                          duration=time.perf_counter() - t0, timed_out=timed_out,
                           truncated=len(out) > limit or len(err) > limit)
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
