@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from sbx_helpers import TIERS, SharedEnv, build_probe, node_settings, start_node, stop_node
 
 from dsec.images import ImageStore
 from dsec.images.stock import ensure_stock
 from dsec.node.agent import LocalNodeAgent
 from dsec.runtime.agent_build import ensure_agent_binary
-from sbx_helpers import TIERS, SharedEnv, build_probe, node_settings, start_node, stop_node
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from sbx_helpers import make, sh
 
 from dsec.errors import InvalidArgument, NotFound
-from sbx_helpers import make, sh
 
 pytestmark = pytest.mark.integration
 

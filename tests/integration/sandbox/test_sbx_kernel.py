@@ -10,13 +10,17 @@ user-space kernel (noted per test) without reaching the host's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from pathlib import Path
 
 import pytest
+from sbx_helpers import Neighbour, count_procs, make, sh
 
+from dsec.errors import SandboxFailure
+from dsec.models import ExecRequest
 from dsec.runtime.oci import SANDBOX_CAPABILITIES
-from sbx_helpers import Neighbour, make, sh
 
 pytestmark = pytest.mark.integration
 
@@ -167,8 +171,7 @@ async def test_host_files_unreachable(node, tier, tmp_path):
     secret = os.urandom(12).hex()
     name = f"dsec-secret-{secret[:8]}"
     host_file = f"/tmp/{name}"
-    with open(host_file, "w") as fh:
-        fh.write(secret)
+    Path(host_file).write_text(secret)
     info = await make(node, tier)
     beside = node.manager.paths(info.id).base / name  # next to the sandbox's rootfs
     beside.write_text(secret)
@@ -189,16 +192,12 @@ async def test_other_sandboxes_processes_invisible(node, tier):
     (so not signalable or traceable), and `kill -9` of every visible pid leaves it alone."""
     nb = await Neighbour.make(node, tier)
     if tier == "container":
-        await node.exec(nb.id, __import__("dsec.models", fromlist=["x"]).ExecRequest(
-            cmd=["sleep", "777"], background=True))
+        await node.exec(nb.id, ExecRequest(cmd=["sleep", "777"], background=True))
     else:
         await sh(node, nb.id, "sleep 777 </dev/null >/dev/null 2>&1 &")  # no background API on gVisor
     info = await make(node, tier)
-    try:
+    with contextlib.suppress(SandboxFailure):  # killing its own handler may break the stream
         await sh(node, info.id, "ps -o args | grep -c 'sleep 777'; for p in /proc/[0-9]*; do "
                                 "kill -9 ${p#/proc/} 2>/dev/null; done", timeout=10)
-    except Exception:  # noqa: BLE001 - killing its own handler may break the stream
-        pass
-    r = await sh(node, nb.id, "ps -o args | grep -v grep | grep -c 'sleep 777'")
-    assert r.stdout == "1\n", r
+    assert await count_procs(node, nb.id, "^sleep 777", 1) == 1
     await nb.assert_healthy()
