@@ -1,15 +1,16 @@
 """API/SDK benchmark: what the HTTP service layer adds, and how it holds up under load.
 
-1+2. Overhead, interleaved sample by sample so machine noise hits both sides alike: the
-   server (``create_app`` on uvicorn/uvloop/httptools, real ``LocalNodeAgent``) runs in a
-   thread of this process; each round times the node-local path (``node.exec`` /
-   ``node.get`` awaited *inside* the server's loop, no HTTP) and then the same operation
-   through the SDK over loopback HTTP (sync and async clients). Reported: medians and the
-   median of the paired differences (= what the service layer adds). ``get`` isolates the
-   HTTP+service cost from the variance of running a process in a sandbox.
-3. Load, against a separate ``dsec serve`` process: one asyncio client drives ``sandboxes`` concurrent sandboxes x ``execs`` execs each:
-   throughput and p50/p99, while a separate process probes ``GET /health`` every
-   ``probe_interval_s`` (its p99 shows whether the server stays responsive).
+1+2. Overhead, interleaved sample by sample so machine noise hits both sides alike. The
+   server (``create_app`` on uvicorn/uvloop/httptools, real ``LocalNodeAgent``) runs on
+   this process's event loop; each round times the node-local path (``node.exec`` /
+   ``node.get`` awaited directly, no HTTP) and the same operation through the SDK over
+   loopback HTTP (async client on the same loop; sync client from a worker thread).
+   Reported: medians and the median of paired differences (= what the service layer
+   adds). ``get`` isolates the HTTP+service cost from the variance of running a process.
+3. Load, against a separate ``dsec serve`` process: one asyncio client drives
+   ``sandboxes`` concurrent sandboxes x ``execs`` execs each: throughput and p50/p99,
+   while a separate process probes ``GET /health`` every ``probe_interval_s`` (p99
+   overall, during the create burst and during the exec phase).
 
 Run: ``python -m dsec.bench.api [--sandboxes 200 --execs 50]`` (root; needs busybox).
 """
@@ -49,10 +50,7 @@ def _paired(base: list[float], other: list[float]) -> dict[str, float]:
 
 async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     """Server in a thread (own uvloop); SDK calls from this loop; baseline timed in the server loop."""
-    import threading
-
     import uvicorn
-    import uvloop
 
     from dsec.api.app import create_app
     from dsec.api.server import build_embedded, ensure_local_token, uvicorn_config
@@ -64,11 +62,13 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     services = build_embedded(settings)
     token = ensure_local_token(services)
     server = uvicorn.Server(uvicorn_config(create_app(services), settings, "127.0.0.1", 0, "warning"))
-    loop = uvloop.new_event_loop()
-    th = threading.Thread(target=lambda: loop.run_until_complete(server.serve()), daemon=True)
-    th.start()
+    # The server runs on THIS event loop: the async SDK and the node-local baseline share
+    # it, so "added" is the service layer's own cost (HTTP both ways, auth, audit, metrics)
+    # with no thread hand-off. The sync client runs in a worker thread, as it would in a
+    # separate program.
+    serve_task = asyncio.create_task(server.serve())
     while not server.started:
-        if not th.is_alive():
+        if serve_task.done():
             raise RuntimeError("in-process server failed to start")
         await asyncio.sleep(0.02)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
@@ -79,8 +79,10 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         await coro
         return time.perf_counter() - t0
 
-    def in_server(coro: Any) -> Any:
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+    def timed_sync(fn: Any, *args: Any) -> float:
+        t0 = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - t0
 
     req = ExecRequest(cmd=["true"])
     series: dict[str, list[float]] = {k: [] for k in ("node_exec", "sdk_async_exec", "sdk_sync_exec",
@@ -93,17 +95,13 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
             try:
                 for i in range(warmup + samples):
                     row = {
-                        "node_exec": await in_server(timed(node.exec(sid, req))),
+                        "node_exec": await timed(node.exec(sid, req)),
                         "sdk_async_exec": await timed(ac.exec(sid, req)),
-                        "node_get": await in_server(timed(node.get(sid))),
+                        "sdk_sync_exec": await asyncio.to_thread(timed_sync, sc.exec, sid, req),
+                        "node_get": await timed(node.get(sid)),
                         "sdk_async_get": await timed(ac.get(sid)),
+                        "sdk_sync_get": await asyncio.to_thread(timed_sync, sc.get, sid),
                     }
-                    t0 = time.perf_counter()
-                    sc.exec(sid, req)
-                    row["sdk_sync_exec"] = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    sc.get(sid)
-                    row["sdk_sync_get"] = time.perf_counter() - t0
                     if i >= warmup:
                         for k, v in row.items():
                             series[k].append(v)
@@ -112,7 +110,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
                 sc.close()
     finally:
         server.should_exit = True
-        await asyncio.to_thread(th.join, 60)
+        await serve_task
         services.state.close()
     out: dict[str, Any] = {k: _stats(v) for k, v in series.items()}
     out["added"] = {
