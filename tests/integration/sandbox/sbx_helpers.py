@@ -16,7 +16,6 @@ from dsec.images import ImageStore
 from dsec.models import ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 from dsec.node import cgroups
 from dsec.node.agent import LocalNodeAgent
-from dsec.runtime.oci_runtime import pid_alive
 
 HERE = Path(__file__).parent
 TIERS = ["container", "gvisor"]
@@ -124,9 +123,18 @@ def leftovers(node: LocalNodeAgent, sandbox_id: str, pids: list[int | None] = ()
         out.append(f"dir {p.base}")
     if p.socket.exists():
         out.append(f"socket {p.socket}")
-    out += [f"pid {pid} alive" for pid in pids if pid and pid_alive(pid)]
+    out += [f"pid {pid} alive" for pid in pids if pid and _running(pid)]
     out += [f"host process {pid} names it" for pid in gvisor_host_pids(sandbox_id)]
     return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead init waits a moment for the host's init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def cgroup_file(controller: str, sandbox_id: str, name: str) -> Path:

@@ -1,0 +1,156 @@
+"""Lifecycle and leaks: states are visible through get(); destroy, TTL expiry and a
+dead init each leave nothing behind (no cgroup, mount, runtime state, dir, socket or
+process); a node manager SIGKILLed at random moments mid-create and mid-destroy is
+recovered by a fresh manager (healthy sandboxes adopted, the rest cleaned)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sbx_helpers import HERE, gvisor_host_pids, leftovers, make, reap_until_gone, sh, start_node, stop_node
+
+from dsec.errors import Conflict
+from dsec.node import cgroups
+
+pytestmark = pytest.mark.integration
+
+
+def _host_pids(node, info) -> list[int]:
+    return [info.pid, *(gvisor_host_pids(info.id) if info.isolation == "gvisor" else [])]
+
+
+async def test_states_visible_and_destroy_leaves_nothing(node, tier):
+    """get() shows idle -> running (while an exec runs) -> idle -> stopped; the persisted
+    transitions are ready, idle, stopping, stopped; after destroy no resource remains
+    and the sandbox refuses execs with a clear Conflict."""
+    seen: list[str] = []
+    node.manager.on_state_change.append(lambda i: seen.append(i.state.value))
+    info = await make(node, tier)
+    assert (await node.get(info.id)).state.value == "idle"
+    pids = _host_pids(node, info)
+    job = asyncio.create_task(sh(node, info.id, "sleep 1"))
+    states = set()
+    while not job.done():
+        states.add((await node.get(info.id)).state.value)
+        await asyncio.sleep(0.02)
+    assert (await job).exit_code == 0
+    assert "running" in states
+    assert (await node.get(info.id)).state.value == "idle"
+    await node.destroy(info.id)
+    assert (await node.get(info.id)).state.value == "stopped"
+    assert seen == ["ready", "idle", "stopping", "stopped"]
+    assert leftovers(node, info.id, pids) == []
+    with pytest.raises(Conflict, match=info.id):
+        await sh(node, info.id, "true")
+    await node.destroy(info.id)  # idempotent
+
+
+async def test_ttl_expiry_reaps(node, tier):
+    """A sandbox past its timeout is destroyed by the reaper (reason recorded) with no
+    leftovers; an unexpired neighbour is kept."""
+    info = await make(node, tier, timeout=1)
+    keep = await make(node, "container", timeout=3600)
+    pids = _host_pids(node, info)
+    assert await node.manager.reap_once(now=time.time() + 5) == 1
+    got = await node.get(info.id)
+    assert got.state.value == "stopped" and got.error == "TTL expired"
+    assert node.manager.counters["reaped_ttl"] == 1
+    assert leftovers(node, info.id, pids) == []
+    assert (await sh(node, keep.id, "echo ok")).stdout == "ok\n"
+
+
+async def test_init_killed_from_outside_is_reaped(node, tier):
+    """When a sandbox's init dies (killed from the host, OOM of a gVisor Sentry) the
+    reaper notices, destroys it, records why, and leaves nothing behind."""
+    info = await make(node, tier)
+    pids = _host_pids(node, info)
+    os.kill(info.pid, signal.SIGKILL)
+    await reap_until_gone(node, info.id, info.pid)
+    got = await node.get(info.id)
+    assert got.state.value == "stopped" and got.error == "sandbox init died"
+    assert leftovers(node, info.id, pids) == []
+
+
+async def test_restart_adopts_running_sandboxes(sbx_env, tmp_path, tier):
+    """A node manager that stops (sandboxes keep running) and starts again adopts them:
+    same pid, exec works, files intact."""
+    home, run_dir = tmp_path / "home", tmp_path / "r"
+    run_dir.mkdir()
+    first = await start_node(sbx_env, home, run_dir)
+    info = await make(first, tier)
+    await first.write_file(info.id, "/work/keep", b"kept")
+    first.manager.close()  # "crash": no teardown
+    second = await start_node(sbx_env, home, run_dir)
+    try:
+        assert second.manager.counters["adopted"] == 1
+        assert (await second.get(info.id)).pid == info.pid
+        assert (await sh(second, info.id, "cat /work/keep")).stdout == "kept"
+    finally:
+        await stop_node(second)
+    assert leftovers(second, info.id, _host_pids(second, info)) == []
+
+
+async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
+    """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 16 times:
+    each fresh manager's start() adopts healthy sandboxes and cleans half-made or
+    half-destroyed ones; at the end every adopted sandbox execs, and after destroying
+    them no mount, cgroup, runtime state, dir, socket or recorded process remains."""
+    home, run_dir = tmp_path / "home", Path(f"/tmp/dsr-crash-{os.getpid()}")
+    run_dir.mkdir(exist_ok=True)
+    rng = random.Random(1234)
+    ids: set[str] = set()
+    pids: set[int] = set()
+    killed_in: list[str] = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    for i in range(16):
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), str(i),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+        assert child.stdout
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line.startswith(b"started"), line + await child.stdout.read()
+        await asyncio.sleep(rng.uniform(0.05, 0.8))
+        child.send_signal(signal.SIGKILL)
+        out = line + await child.stdout.read()
+        await child.wait()
+        last = out.decode().splitlines()[-1].split()
+        killed_in.append(last[0])  # "creating"/"destroying": killed mid-operation
+        for words in (ln.split() for ln in out.decode().splitlines()):
+            if words[0] in ("creating", "created", "destroying"):
+                ids.add(words[1])
+            if words[0] == "created":
+                pids.add(int(words[2]))
+    # No waiting for runc/runsc calls the last dead manager left in flight: a node agent
+    # restarted at once must cope with them too.
+    node = await start_node(sbx_env, home, run_dir)
+    try:
+        recs = {r.info.id: r for r in node.manager.records.all()}
+        assert ids <= set(recs), "a sandbox the child announced has no record"
+        live = set(node.manager.live)
+        assert live == {sid for sid, r in recs.items() if r.info.state.value in ("idle", "ready")}
+        for sid in live:
+            assert (await sh(node, sid, "echo ok", timeout=30)).stdout == "ok\n", sid
+        for sid, r in recs.items():
+            if sid not in live:
+                assert r.info.state.value == "stopped", (sid, r.info.state)
+                assert leftovers(node, sid) == [], sid
+        on_disk = {d.name for d in (home / "sandboxes").iterdir()}
+        assert on_disk == live, on_disk ^ live
+    finally:
+        await stop_node(node)
+    print("killed while:", killed_in)
+    assert len(ids) > 5, ids  # the children got far enough to matter
+    assert "creating" in killed_in and "destroying" in killed_in, killed_in
+    for sid in ids:
+        assert leftovers(node, sid, list(pids)) == [], sid
+    assert not list((home / "sandboxes").iterdir())
+    assert not [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if str(home) in ln]
+    assert not (set(cgroups.all_sandbox_cgroup_ids("dsec")) & ids)
+    assert not list((run_dir / "s").glob("*.sock")) if (run_dir / "s").exists() else True
