@@ -100,8 +100,9 @@ async def pybox(node, tier, python_image):
 
 async def test_bash(node, pybox):
     """bash arrays, arithmetic, [[ ]], pipefail and process substitution (/dev/fd) work."""
-    r = await sh(node, pybox, ["bash", "-c", "set -euo pipefail; a=(x y z); echo ${#a[@]} $((2**10)); "
-                                             "[[ abc == a* ]] && echo glob; diff <(echo q) <(echo q) && echo same"])
+    script = ("set -euo pipefail; a=(x y z); echo ${#a[@]} $((2**10)); "
+              "[[ abc == a* ]] && echo glob; diff <(echo q) <(echo q) && echo same")
+    r = await sh(node, pybox, ["bash", "-c", script])
     assert (r.exit_code, r.stdout) == (0, "3 1024\nglob\nsame\n"), r
 
 
