@@ -194,41 +194,20 @@ class SandboxManager:
         return self.info(rec)
 
     async def _make(self, rec: SandboxRecord, extra_lower_dirs: list[Path]) -> None:
+        """Build the sandbox. Blocking filesystem work runs in worker threads, so a burst
+        of creates never stalls the event loop that also serves exec and the API."""
         info = rec.info
         p = self.paths(info.id)
-        p.base.mkdir(parents=True)
-        p.scratch.mkdir()
-        p.rootfs.mkdir()
-        # The writable layer lives on a tmpfs sized to the disk quota: a full disk is
-        # ENOSPC inside this sandbox only, and its pages count against its memory cgroup.
-        syscalls.mount_tmpfs(str(p.scratch), info.disk, mode=0o700)
-        mounts = self.snapshotter.prepare(info.id, rec.spec.image, p.scratch, extra_lower_dirs)
-        syscalls.mount_overlay(str(p.rootfs), mounts.lower_dirs, mounts.upper_dir, mounts.work_dir)
-        if rec.workdir != "/":
-            SandboxFS(str(p.rootfs)).makedirs(rec.workdir)  # like a Dockerfile WORKDIR: exists
+        await asyncio.to_thread(self._prepare_root, rec, p, extra_lower_dirs)
         netns = None
+        hosts: dict[str, list[str]] = {}
         if info.network is not None:
             if self.network is None:
                 raise SandboxFailure("network allow-lists need the network manager, which is not running "
                                      "on this node", sandbox_id=info.id)
             att = await self.network.attach(info.id, info.network)
-            netns = att.netns_path
-            self._write_hosts(p, att.hosts)
-        assert self.agent_binary is not None
-        spec = RuntimeSpec(sandbox_id=info.id, rootfs=str(p.rootfs), agent_binary=str(self.agent_binary),
-                           cpu=info.cpu, memory=info.memory, pids=info.pids,
-                           nofile=min(self.settings.default_nofile, _hard_nofile()), hostname=info.id,
-                           env=rec.env, netns_path=netns, cgroup_parent=CGROUP_PARENT)
-        config = build_config(spec)
-        if info.isolation == "gvisor":
-            _gvisor_bind_tmp(config, p.rootfs)
-        if info.isolation == "gvisor":
-            cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
-            config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
-            # This runsc ignores a netns path in the spec; it is started inside the slot's
-            # netns instead and copies the interfaces from there into its own netstack.
-            config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"] if n["type"] != "network"]
-        p.config.write_text(json.dumps(config))
+            netns, hosts = att.netns_path, att.hosts
+        await asyncio.to_thread(self._write_bundle, rec, p, netns, hosts)
         if info.isolation == "gvisor":
             # network=None: gVisor's own netstack with loopback only; else the slot's netns.
             net_flag = "--network=host" if netns else "--network=none"
@@ -242,12 +221,45 @@ class SandboxManager:
                 sock.close()  # the sandbox's init holds the listening end now
         rec.info = rec.info.model_copy(update={"pid": pid})
         if info.isolation == "gvisor":
-            for gpid in _gvisor_pids(info.id, pid):
+            for gpid in await asyncio.to_thread(_gvisor_pids, info.id, pid):
                 cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
         if info.isolation != "gvisor" and not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
             raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
                                  f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
                                  sandbox_id=info.id)
+
+    def _prepare_root(self, rec: SandboxRecord, p: SandboxPaths, extra_lower_dirs: list[Path]) -> None:
+        info = rec.info
+        p.base.mkdir(parents=True)
+        p.scratch.mkdir()
+        p.rootfs.mkdir()
+        # The writable layer lives on a tmpfs sized to the disk quota: a full disk is
+        # ENOSPC inside this sandbox only, and its pages count against its memory cgroup.
+        syscalls.mount_tmpfs(str(p.scratch), info.disk, mode=0o700)
+        mounts = self.snapshotter.prepare(info.id, rec.spec.image, p.scratch, extra_lower_dirs)
+        syscalls.mount_overlay(str(p.rootfs), mounts.lower_dirs, mounts.upper_dir, mounts.work_dir)
+        if rec.workdir != "/":
+            SandboxFS(str(p.rootfs)).makedirs(rec.workdir)  # like a Dockerfile WORKDIR: exists
+
+    def _write_bundle(self, rec: SandboxRecord, p: SandboxPaths, netns: str | None,
+                      hosts: dict[str, list[str]]) -> None:
+        info = rec.info
+        if hosts:
+            self._write_hosts(p, hosts)
+        assert self.agent_binary is not None
+        spec = RuntimeSpec(sandbox_id=info.id, rootfs=str(p.rootfs), agent_binary=str(self.agent_binary),
+                           cpu=info.cpu, memory=info.memory, pids=info.pids,
+                           nofile=min(self.settings.default_nofile, _hard_nofile()), hostname=info.id,
+                           env=rec.env, netns_path=netns, cgroup_parent=CGROUP_PARENT)
+        config = build_config(spec)
+        if info.isolation == "gvisor":
+            _gvisor_bind_tmp(config, p.rootfs)
+            cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
+            config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
+            # This runsc ignores a netns path in the spec; it is started inside the slot's
+            # netns instead and copies the interfaces from there into its own netstack.
+            config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"] if n["type"] != "network"]
+        p.config.write_text(json.dumps(config))
 
     def _write_hosts(self, p: SandboxPaths, hosts: dict[str, list[str]]) -> None:
         if not hosts:
@@ -284,7 +296,7 @@ class SandboxManager:
             await asyncio.to_thread(_release_kernel_resources, p, rt, pid, rec.info.isolation)
             if self.network is not None:
                 await self.network.detach(sid)
-            self.snapshotter.release(sid)
+            await asyncio.to_thread(self.snapshotter.release, sid)
         except Exception as e:
             log.exception("cleanup of %s failed", sid)
             self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
