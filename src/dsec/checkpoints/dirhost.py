@@ -78,9 +78,9 @@ class DirHost:
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path]) -> str:
+    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path], sandbox_id: str | None = None) -> str:
         view = await self.image_view(spec)
-        sid = "dh-" + uuid.uuid4().hex[:12]
+        sid = sandbox_id or "dh-" + uuid.uuid4().hex[:12]
         base = self._dir(sid)
         for d in ("upper", "work", "merged"):
             (base / d).mkdir(parents=True)

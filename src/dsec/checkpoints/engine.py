@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,12 +133,12 @@ class EpisodeEngine:
         tracker = FsTracker(in_image=image_lookup(view.lower_dirs), full_every=self.settings.checkpoint_full_every,
                             level=self.settings.checkpoint_zstd_level)
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker)
-        live.sandbox_id = await self.host.create(spec, [])
+        live.sandbox_id = await self._new_sandbox(episode_id, spec, [])
         try:
             async with live.lock:
                 await self._write_unit(live, "open")
         except BaseException:
-            await self.host.destroy(live.sandbox_id)  # no unit records it: nobody else would
+            await self._drop_sandbox(episode_id, live.sandbox_id)
             raise
         self._live[episode_id] = live
         return self._info(live)
@@ -168,15 +169,38 @@ class EpisodeEngine:
         if tracker.fs_digest != meta.fs_digest:
             raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
         lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
-        old = meta.meta.get("_sandbox_id")
-        if old:
-            await self.host.destroy(old)  # a survivor of the crash may be ahead of the log
+        await self._drop_orphans(meta.episode_id)  # survivors of a crash may be ahead of the log
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
                      user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
                      next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline))
-        live.sandbox_id = await self.host.create(spec, lowers)
+        live.sandbox_id = await self._new_sandbox(meta.episode_id, spec, lowers)
         return live
+
+    # --- sandbox bookkeeping: every sandbox an episode makes is recorded in the store, so
+    # whichever server resumes the episode destroys what a crashed one left behind.
+    def _marker(self, episode_id: str, sandbox_id: str) -> str:
+        return f"episodes/{episode_id}/sandboxes/{sandbox_id}"
+
+    async def _new_sandbox(self, episode_id: str, spec: SandboxSpec, lowers: list[Path]) -> str:
+        sid = "sb-" + uuid.uuid4().hex[:12]
+        # Recorded before it exists (DESIGN: record, then create): no crash can orphan it.
+        await asyncio.to_thread(self.store.put, self._marker(episode_id, sid), b"")
+        try:
+            await self.host.create(spec, lowers, sid)
+        except BaseException:
+            await asyncio.to_thread(self.store.delete, self._marker(episode_id, sid))
+            raise
+        return sid
+
+    async def _drop_sandbox(self, episode_id: str, sandbox_id: str) -> None:
+        await self.host.destroy(sandbox_id)
+        await asyncio.to_thread(self.store.delete, self._marker(episode_id, sandbox_id))
+
+    async def _drop_orphans(self, episode_id: str) -> None:
+        prefix = f"episodes/{episode_id}/sandboxes/"
+        for key in await asyncio.to_thread(self.store.list, prefix):
+            await self._drop_sandbox(episode_id, key[len(prefix):])
 
     async def _last_unit(self, live: _Live) -> UnitMeta:
         units = await asyncio.to_thread(complete_units, self.store, live.id)
@@ -190,7 +214,7 @@ class EpisodeEngine:
         """Give ``live`` a fresh sandbox equal to its last unit (after a failed unit or a stop)."""
         meta = await self._last_unit(live)
         if live.sandbox_id:
-            await self.host.destroy(live.sandbox_id)
+            await self._drop_sandbox(live.id, live.sandbox_id)
             live.sandbox_id = None
         fresh = await self._restore(meta)
         live.sandbox_id, live.tracker, live.dirty = fresh.sandbox_id, fresh.tracker, False
@@ -285,7 +309,7 @@ class EpisodeEngine:
                 fs_chain=cap.chain, fs_manifest=cap.manifest_ref, fs_digest=cap.fs_digest,
                 trajectory=segments + refs["trajectory"],
                 context=refs["context"][0] if refs["context"] else live.context,
-                weights_ref=live.weights_ref, meta={**live.user_meta, "_sandbox_id": live.sandbox_id})
+                weights_ref=live.weights_ref, meta=dict(live.user_meta))
             meta.inline = self._carry_inline(meta, inline, live.inline)
             key = commit_unit(self.store, meta)
             keys = [*(live.unit_keys or []), (meta.seq, key)] if live.unit_keys is not None else None
@@ -387,7 +411,7 @@ class EpisodeEngine:
                 meta = await self._last_unit(live)
             else:
                 meta = await self._write_unit(live, "preempt")
-            await self.host.destroy(sandbox_id)
+            await self._drop_sandbox(live.id, sandbox_id)
             live.sandbox_id, live.dirty = None, False
         return self._ref(meta)
 
@@ -406,7 +430,7 @@ class EpisodeEngine:
         live = self._live.pop(episode_id, None)
         if live is not None and live.sandbox_id:
             async with live.lock:
-                await self.host.destroy(live.sandbox_id)
+                await self._drop_sandbox(live.id, live.sandbox_id)
 
     async def forget(self, episode_id: str) -> None:
         """Drop in-memory state only (what a server crash does); for drills and tests."""

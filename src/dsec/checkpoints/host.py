@@ -27,8 +27,9 @@ class EpisodeHost(Protocol):
     async def image_view(self, spec: SandboxSpec) -> ImageView:
         """Resolve the spec's image to its digest, layer digests and unpacked layer dirs."""
 
-    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path]) -> str:
-        """A new sandbox whose root is image layers + ``extra_lower_dirs`` (top-most first)."""
+    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path], sandbox_id: str) -> str:
+        """A new sandbox ``sandbox_id`` whose root is image layers + ``extra_lower_dirs``
+        (top-most first). The caller picks the id so it can record it before it exists."""
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 

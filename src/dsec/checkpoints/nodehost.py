@@ -33,8 +33,8 @@ class NodeEpisodeHost:
                                        image_layers=[li.diff_id for li in info.layers], isolation=isolation),
                          lower_dirs=list(dirs))
 
-    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path]) -> str:
-        info = await self.node.create(spec, extra_lower_dirs=extra_lower_dirs)
+    async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path], sandbox_id: str) -> str:
+        info = await self.node.create(spec, sandbox_id=sandbox_id, extra_lower_dirs=extra_lower_dirs)
         return info.id
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:

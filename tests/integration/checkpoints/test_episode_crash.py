@@ -97,6 +97,9 @@ def test_crash_at_fault_point_resumes_from_last_complete_unit(work, reference, p
     info, res, t, ctx = asyncio.run(_resume_and_finish(eng))
     assert 0 <= info.steps < N
     _check_finished(reference, info, res, t, ctx)
+    # The crashed process's sandbox was recorded before it existed, so resuming removed it.
+    assert syscalls.mounts_under(str(work / "sbx")) == []
+    assert eng.store.list("episodes/ep/sandboxes/") == []
 
 
 def _newest_meta(eng):
