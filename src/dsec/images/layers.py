@@ -25,6 +25,7 @@ import shutil
 import stat
 import threading
 import uuid
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -32,13 +33,15 @@ from typing import BinaryIO
 from dsec.errors import ImageError
 from dsec.images.fsutil import atomic_write, check_digest, fsync_dir, syncfs
 from dsec.images.locks import KeyedLock
-from dsec.images.unpack import UnpackResult, unpack_stream
+from dsec.images.unpack import UnpackResult, unpack_stream, unpack_tar_file
 
-SEAL_FORMAT = 1
+SEAL_FORMAT = 2  # 2: per-file refs are crc32 or blob offsets (1 had sha256)
 _KINDS = {"f": stat.S_ISREG, "d": stat.S_ISDIR, "l": stat.S_ISLNK, "c": stat.S_ISCHR, "p": stat.S_ISFIFO}
 
-# Opens a layer's blob: returns (stream, compression, expected blob digest or None).
-BlobOpener = Callable[[], tuple[BinaryIO, str, str | None]]
+# Opens a layer's blob: returns (stream, compression, expected blob digest or None,
+# verified) where verified=True means the blob's digest was already checked (then an
+# uncompressed regular file is unpacked with kernel-side copies).
+BlobOpener = Callable[[], tuple[BinaryIO, str, str | None, bool]]
 
 
 class LayerCache:
@@ -67,6 +70,12 @@ class LayerCache:
         """Hot path: trusted this process and still on disk (one stat)."""
         return diff_id in self._trusted and os.path.exists(self.dir(diff_id) / "seal.json")
 
+    def mark_trusted(self, diff_id: str) -> None:
+        """Another process of ours unpacked and sealed it moments ago (import workers)."""
+        if self.present(diff_id):
+            with self._tlock:
+                self._trusted.add(diff_id)
+
     def seal(self, diff_id: str) -> dict[str, object] | None:
         try:
             return json.loads((self.dir(diff_id) / "seal.json").read_text())
@@ -77,8 +86,10 @@ class LayerCache:
         s = self.seal(diff_id)
         return int(s.get("unpacked_size", 0)) if s else 0  # type: ignore[arg-type]
 
-    def verify(self, diff_id: str, deep: bool = False) -> str | None:
-        """Return None if the layer dir is intact, else the reason it is not."""
+    def verify(self, diff_id: str, deep: bool = False,
+               blob_path: Callable[[str], Path] | None = None) -> str | None:
+        """Return None if the layer dir is intact, else the reason it is not. ``blob_path``
+        maps a blob digest to its file (deep check of files copied from that blob)."""
         d = self.dir(diff_id)
         seal = self.seal(diff_id)
         if seal is None:
@@ -92,6 +103,9 @@ class LayerCache:
         if hashlib.sha256(raw).hexdigest() != seal.get("manifest_sha256"):
             return "manifest.json does not match its seal"
         fs = d / "fs"
+        blob = blob_path(str(seal["digest"])) if deep and blob_path is not None else None
+        if blob is not None and not blob.exists():
+            blob = None  # source blob collected since: sizes/modes only for its files
         expected = {str(r[0]): r for r in json.loads(raw)}
         seen = 0
         for dirpath, dirnames, filenames in os.walk(fs):
@@ -109,7 +123,7 @@ class LayerCache:
                     return f"{rel!r} changed mode"
                 if kind == "f" and st.st_size != rec[3]:
                     return f"{rel!r} changed size ({st.st_size} != {rec[3]})"
-                if deep and kind == "f" and _file_sha(full) != rec[4]:
+                if deep and kind == "f" and not _content_ok(full, str(rec[4]), blob):
                     return f"{rel!r} content changed"
                 seen += 1
         if seen != len(expected):
@@ -139,9 +153,14 @@ class LayerCache:
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         (tmp / "fs").mkdir(parents=True)
         try:
-            stream, compression, expected_digest = opener()
+            stream, compression, expected_digest, verified = opener()
             with stream:
-                res = unpack_stream(stream, compression, tmp / "fs", what, expected_digest, diff_id, progress)
+                if compression == "tar" and verified and expected_digest == diff_id and _regular(stream):
+                    res = unpack_tar_file(stream, tmp / "fs", what, diff_id)
+                    if progress is not None:
+                        progress(res.size)
+                else:
+                    res = unpack_stream(stream, compression, tmp / "fs", what, expected_digest, diff_id, progress)
             if self.sync:
                 syncfs(tmp)
             raw = json.dumps(res.manifest, separators=(",", ":")).encode()
@@ -200,12 +219,31 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _file_sha(path: str) -> str:
-    h = hashlib.sha256()
+def _regular(stream: object) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _content_ok(path: str, ref: str, blob: Path | None) -> bool:
+    """Deep check of one file against its manifest ref (crc32 of content, or the byte
+    range of the verified uncompressed blob it was copied from)."""
+    kind, _, val = ref.partition(":")
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        if kind == "crc32":
+            crc = 0
+            while chunk := fh.read(1 << 20):
+                crc = zlib.crc32(chunk, crc)
+            return f"{crc:08x}" == val
+        if kind == "off" and blob is not None:
+            with open(blob, "rb") as b:
+                b.seek(int(val))
+                while chunk := fh.read(1 << 20):
+                    if b.read(len(chunk)) != chunk:
+                        return False
+            return True
+    return kind == "off"  # no blob to compare with: size/mode checks only
 
 
 def _rmtree(path: Path) -> None:

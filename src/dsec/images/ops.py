@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Self
 
-from dsec.errors import DSecError, InvalidArgument
+from dsec.errors import DigestMismatch, ImageError, InvalidArgument
 from dsec.images import media, policy
 from dsec.images.oci import normalize_name, plan_archive, write_layout
 from dsec.models.image import ImageInfo, LayerInfo
@@ -61,42 +61,26 @@ def import_archive(store: ImageStore, path: Path, name: str | None, progress: Pr
     total = sum(lp.size for p in plans for lp in p.layers)
     try:
         for plan in plans:
-            layers: list[LayerInfo] = []
-            for i, lp in enumerate(plan.layers):
-                what = f"layer {i} ({lp.path}) of {path}"
-                with src.open(lp.path) as fh:
-                    head = fh.read(4)
-                    comp = media.sniff_compression(head) if lp.media_type is None else \
-                        media.layer_compression(lp.media_type, what)
-                    mt = lp.media_type or media.COMPRESSION_MT[comp]
-                    if comp == "tar" and store.settings.layer_compression != "tar" \
-                            and not store.layers.present(lp.diff_id):
-                        # Uncompressed (docker save): ONE pass unpacks it and stores a
-                        # compressed blob, instead of writing the raw tar and re-reading it.
-                        new_layers.append(lp.diff_id)
-                        adv = (lambda n: progress("import", n, total)) if progress else None
-                        li = _ingest_and_unpack(store, _Prefixed(head, fh), lp.diff_id, what, adv)  # type: ignore[arg-type]
+            # Objects this plan may create, known up front (digest of docker-save compressed
+            # layers is not: those go serially, where the loop tracks what it creates).
+            known = [(lp.digest or lp.diff_id) for lp in plan.layers]
+            new_blobs += [d for d in known if not store.content.has(d)]
+            new_layers += [lp.diff_id for lp in plan.layers if not store.layers.present(lp.diff_id)]
+            store.lease(lease, known + [lp.diff_id for lp in plan.layers])
+            parallel = (len(plan.layers) > 1 and sum(lp.size for lp in plan.layers) >= store.settings.image_parallel_unpack_min_bytes
+                        and store.settings.image_unpack_workers > 1)
+            if parallel:
+                layers = _import_layers_parallel(store, path, plan.layers, progress, total)
+            else:
+                layers = []
+                for i, lp in enumerate(plan.layers):
+                    li, created = _import_layer(store, src, path, i, lp, progress, total)
+                    if created and li.digest not in new_blobs:
                         new_blobs.append(li.digest)
-                        store.lease(lease, [li.digest, lp.diff_id])
-                        layers.append(li)
-                        plan.manifest = None  # layer blobs changed: synthesize our manifest
-                        continue
-                    expected = lp.digest or (lp.diff_id if comp == "tar" else None)
-                    existed = expected is not None and store.content.has(expected)
-                    adv = (lambda n: progress("import", n, total)) if progress else None
-                    # One writer per known digest (threads and processes); the others wait,
-                    # then find the blob present and only verify it.
-                    with store.locks.hold("blob-" + expected) if expected else contextlib.nullcontext():
-                        existed = expected is not None and store.content.has(expected)
-                        digest, size = store.content.ingest(_Prefixed(head, fh), expected, what, adv)  # type: ignore[arg-type]
-                if not existed:
-                    new_blobs.append(digest)
-                store.lease(lease, [digest, lp.diff_id])
-                layers.append(LayerInfo(digest=digest, diff_id=lp.diff_id, size=size, media_type=mt))
-            for li in layers:
-                if not store.layers.present(li.diff_id):
-                    new_layers.append(li.diff_id)
-                store.ensure_layer(li, progress)
+                    store.lease(lease, [li.digest])
+                    layers.append(li)
+            if any(li.digest != (lp.digest or li.digest) for li, lp in zip(layers, plan.layers)):
+                plan.manifest = None  # a blob was re-encoded: synthesize our manifest
             names = [normalize_name(name)] if name else (plan.names or [f"{path.name.split('.')[0]}:latest"])
             result = store.register(plan.config, layers, names, plan.manifest)
         assert result is not None
@@ -108,6 +92,89 @@ def import_archive(store: ImageStore, path: Path, name: str | None, progress: Pr
     finally:
         store.release(lease)
         src.close()
+
+
+def _import_layer(store: ImageStore, src: object, path: Path, i: int, lp: object, progress: Progress | None,
+                  total: int) -> tuple[LayerInfo, bool]:
+    """Ingest (verified) and unpack one layer. Returns (layer, whether its blob is new)."""
+    what = f"layer {i} ({lp.path}) of {path}"  # type: ignore[attr-defined]
+    adv = (lambda n: progress("import", n, total)) if progress else None
+    with src.open(lp.path) as fh:  # type: ignore[attr-defined]
+        head = fh.read(4)
+        comp = media.sniff_compression(head) if lp.media_type is None else \
+            media.layer_compression(lp.media_type, what)  # type: ignore[attr-defined]
+        mt = lp.media_type or media.COMPRESSION_MT[comp]  # type: ignore[attr-defined]
+        if comp == "tar" and store.settings.layer_import_compress and not store.layers.present(lp.diff_id):  # type: ignore[attr-defined]
+            # Uncompressed and we store it compressed: ONE pass unpacks it and tees the
+            # bytes into the compressor (the raw tar is never written).
+            if lp.digest is not None and lp.digest != lp.diff_id:  # type: ignore[attr-defined]
+                raise DigestMismatch(f"{what}: uncompressed layer has digest {lp.digest} but diff_id "  # type: ignore[attr-defined]
+                                     f"{lp.diff_id}; they must be equal", expected=lp.digest, actual=lp.diff_id)  # type: ignore[attr-defined]
+            existed = store.content.has(lp.diff_id)  # type: ignore[attr-defined]
+            li = _ingest_and_unpack(store, _Prefixed(head, fh), lp.diff_id, what, adv)  # type: ignore[arg-type,attr-defined]
+            return li, not existed
+        expected = lp.digest or (lp.diff_id if comp == "tar" else None)  # type: ignore[attr-defined]
+        # One writer per known digest (threads and processes); the others wait, then
+        # find the blob present and only verify it.
+        with store.locks.hold("blob-" + expected) if expected else contextlib.nullcontext():
+            existed = expected is not None and store.content.has(expected)
+            digest, size = store.content.ingest(_Prefixed(head, fh), expected, what, adv)  # type: ignore[arg-type]
+    li = LayerInfo(digest=digest, diff_id=lp.diff_id, size=size, media_type=mt)  # type: ignore[attr-defined]
+    store.ensure_layer(li, progress)
+    return li, not existed
+
+
+def _import_layers_parallel(store: ImageStore, path: Path, plans: list, progress: Progress | None,  # type: ignore[type-arg]
+                            total: int) -> list[LayerInfo]:
+    """Unpack an image's layers in worker processes (``python -m dsec.images.worker``):
+    tar parsing is Python (GIL-bound), and on a shared machine more runnable workers also
+    get a fairer share of the CPUs. Plain subprocesses, not multiprocessing: nothing
+    re-imports the caller's ``__main__``, and a threaded parent (API server) is safe."""
+    import concurrent.futures as cf
+    import json
+    import subprocess
+    import sys
+
+    from dsec.errors import error_from_dict
+
+    workers = min(len(plans), store.settings.image_unpack_workers)
+    settings_json = store.settings.model_dump_json()
+    out: list[LayerInfo | None] = [None] * len(plans)
+    errors: list[BaseException] = []
+
+    def run_one(k: int) -> tuple[int, bytes, bytes]:
+        job = {"root": str(store.root), "settings": settings_json, "archive": str(path), "index": k,
+               "layer": {"path": plans[k].path, "digest": plans[k].digest, "diff_id": plans[k].diff_id,
+                         "media_type": plans[k].media_type, "size": plans[k].size}}
+        # Each thread waits for its own child only (never os.wait(): not ours to reap).
+        proc = subprocess.run([sys.executable, "-m", "dsec.images.worker"], input=json.dumps(job).encode(),
+                              capture_output=True, check=False)
+        return k, proc.stdout, proc.stderr
+
+    order = sorted(range(len(plans)), key=lambda k: -plans[k].size)  # biggest first
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsec-unpack") as pool:
+        for fut in cf.as_completed([pool.submit(run_one, k) for k in order]):
+            k, reply_raw, err_raw = fut.result()
+            try:
+                reply = json.loads(reply_raw)
+            except ValueError:
+                errors.append(ImageError(f"layer {k} of {path}: unpack worker died: "
+                                         f"{err_raw.decode(errors='replace')[-500:]}"))
+                continue
+            if "error" in reply:
+                errors.append(error_from_dict(reply["error"], 500))
+                continue
+            out[k] = LayerInfo.model_validate(reply["layer"])
+            store.misses += reply["misses"]
+            store.hits += 1 - reply["misses"]
+            if progress:
+                progress("import", plans[k].size, total)
+    if errors:
+        raise errors[0]  # every worker has finished: nothing is still writing
+    for li in out:
+        assert li is not None
+        store.layers.mark_trusted(li.diff_id)  # verified by the worker that unpacked it
+    return out  # type: ignore[return-value]
 
 
 class _Tee:
@@ -138,13 +205,11 @@ def _ingest_and_unpack(store: ImageStore, stream: BinaryIO, diff_id: str, what: 
     from dsec.images.fsutil import CHUNK
 
     s = store.settings
-    if not s.layer_import_compress:
-        return _ingest_raw_and_unpack(store, stream, diff_id, what, progress)
     with store.content.writer() as w:
         comp = media.compressing_writer(w, s.layer_compression, s.layer_zstd_level,  # type: ignore[arg-type]
                                         threads=s.layer_import_threads)
         tee = _Tee(stream, comp)
-        _, hit = store.layers.ensure(diff_id, lambda: (tee, "tar", diff_id), what, progress)  # type: ignore[arg-type,return-value]
+        _, hit = store.layers.ensure(diff_id, lambda: (tee, "tar", diff_id, False), what, progress)  # type: ignore[arg-type,return-value]
         if hit:  # another process unpacked it meanwhile: still store the blob
             while tee.read(CHUNK):
                 pass
@@ -153,39 +218,6 @@ def _ingest_and_unpack(store: ImageStore, stream: BinaryIO, diff_id: str, what: 
         comp.close()
         digest, size = w.commit(what=what)
     return LayerInfo(digest=digest, diff_id=diff_id, size=size, media_type=media.COMPRESSION_MT[s.layer_compression])
-
-
-def _ingest_raw_and_unpack(store: ImageStore, stream: BinaryIO, diff_id: str, what: str,
-                           progress: Callable[[int], None] | None) -> LayerInfo:
-    """Uncompressed layer kept as is: blob digest == diff_id, which the unpack verifies
-    from the very bytes teed into the blob file, so the blob is not hashed a second time."""
-    from dsec.images.fsutil import CHUNK
-
-    fd, tmp_name = tempfile.mkstemp(dir=store.content.ingest_dir, prefix=f"w{os.getpid()}-")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            tee = _Tee(stream, fh)
-            _, hit = store.layers.ensure(diff_id, lambda: (tee, "tar", diff_id), what, progress)  # type: ignore[arg-type,return-value]
-            if hit:
-                import hashlib
-                h = hashlib.sha256()
-                while chunk := tee.read(CHUNK):
-                    h.update(chunk)
-                if "sha256:" + h.hexdigest() != diff_id:
-                    from dsec.errors import DigestMismatch
-                    raise DigestMismatch(f"{what}: content hashes to sha256:{h.hexdigest()}, config says "
-                                         f"diff_id {diff_id}", expected=diff_id)
-            else:
-                store.misses += 1
-            fh.flush()
-            os.fsync(fh.fileno())
-            size = fh.tell()
-        store.content._place(tmp, diff_id)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return LayerInfo(digest=diff_id, diff_id=diff_id, size=size, media_type=media.MT_LAYER_TAR)
 
 
 def _rollback(store: ImageStore, blobs: list[str], layers: list[str], lease: str) -> None:
@@ -402,8 +434,4 @@ def _clean_ingest(store: ImageStore) -> int:
     return n
 
 
-def safe_rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-__all__ = ["DSecError", "export", "gc", "import_archive", "remove"]
+__all__ = ["evict", "export", "gc", "import_archive", "remove"]

@@ -113,3 +113,20 @@ def test_unknown_image_name_lists_available(store: ImageStore) -> None:
     """Resolving an unknown image names it and lists what exists."""
     with pytest.raises(NotFound, match=r"'pyhton'.*busybox:latest"):
         store.resolve("pyhton")
+
+
+def test_parallel_unpack_failure_leaves_nothing(home: Path, tmp_path: Path) -> None:
+    """With layers unpacked by worker processes, a bad layer still fails the import cleanly:
+    the good layers the other workers finished are removed too; a good image imports."""
+    from dsec.config import load_settings
+    from dsec.images.stock import ensure_busybox
+    st = ImageStore(home / "images", load_settings(home=home, image_parallel_unpack_min_bytes=0))
+    ensure_busybox(st, log=lambda m: None)
+    good = [layer_tar(GOOD), layer_tar([Entry(f"f{i}", os.urandom(5000)) for i in range(50)])]
+    write_oci_layout(tmp_path / "bad", CraftedImage(good + [layer_tar([Entry("../../escape", b"x")])]))
+    _assert_clean_failure(st, _state(st), UnsafeLayer, tmp_path / "bad", "refus")
+    write_oci_layout(tmp_path / "ok", CraftedImage(good, compression="tar"))
+    before = st.misses
+    info = st.import_archive(tmp_path / "ok", name="ok:1")
+    assert st.misses - before == 2 and [p.is_dir() for p in st.layer_dirs(info.id)] == [True, True]
+    assert (st.layer_dirs(info.id)[0] / "etc/motd").read_text() == "hello\n"

@@ -42,6 +42,11 @@ def test_skopeo_docker_archive_imports(store: ImageStore, exported: Path, tmp_pa
     info = store.import_archive(tmp_path / "b.tar")
     assert "bb:v2" in info.names
     assert [li.diff_id for li in info.layers] == [li.diff_id for li in store.resolve("busybox").layers]
+    # uncompressed layer: unpacked with kernel copies; a same-size edit is caught by --deep
+    passwd = store.layer_dirs(info.id)[0] / "etc/passwd"
+    assert store.verify("bb:v2", deep=True) == {info.layers[0].digest: None}
+    passwd.write_text(passwd.read_text().replace("root", "toor"))
+    assert "content changed" in str(store.verify("bb:v2", deep=True)[info.layers[0].digest])
 
 
 def test_skopeo_gzip_oci_and_layout_tar_import(store: ImageStore, exported: Path, tmp_path: Path) -> None:

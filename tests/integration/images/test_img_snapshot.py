@@ -101,7 +101,10 @@ def test_tampered_unpacked_layer_is_reunpacked(store: ImageStore, home: Path) ->
     assert fresh.misses == 1 and (fs2 / "etc/passwd").read_text().startswith("root:")
     # a wrong seal (stale tree from old code) is never trusted either
     seal = fs2.parent / "seal.json"
-    seal.write_text(seal.read_text().replace('"format": 1', '"format": 0'))
+    from dsec.images.layers import SEAL_FORMAT
+    stale = seal.read_text().replace(f'"format": {SEAL_FORMAT}', '"format": 0')
+    assert stale != seal.read_text()
+    seal.write_text(stale)
     third = ImageStore(store.root, store.settings)
     third.layer_dirs(info.id)
     assert third.misses == 1 and third.layers.verify(info.layers[0].diff_id) is None
