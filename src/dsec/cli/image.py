@@ -110,7 +110,7 @@ def export(ref: str, path: Path, tag: str | None = typer.Option(None, help="Tag 
 
 
 @app.command()
-def verify(ref: str, deep: bool = typer.Option(False, help="Re-hash every unpacked file")) -> None:
+def verify(ref: str, deep: bool = typer.Option(False, help="Also check every unpacked file's content")) -> None:
     """Check an image's blobs and unpacked layers against their digests."""
     try:
         result = _store().verify(ref, deep=deep)

@@ -1,8 +1,8 @@
 """Unpacked-layer cache: one overlayfs lower dir per layer diff_id, sealed and verified.
 
 Layout: ``<root>/<diff_id hex>/{fs/, manifest.json, seal.json}``. A layer is unpacked
-into ``<root>/.tmp-*``, the filesystem is synced, ``manifest.json`` (every entry: kind,
-mode, size, sha256) and then ``seal.json`` (diff_id + sha256 of the manifest) are
+into ``<root>/.tmp-*``, (optionally synced, see docs), ``manifest.json`` (every entry: kind,
+mode, size, crc32 or blob offset) and then ``seal.json`` (diff_id + sha256 of the manifest) are
 written LAST, and only then is the directory renamed into place. So a layer dir that
 exists and whose seal names its own diff_id was completely unpacked by this code.
 
@@ -12,7 +12,7 @@ Verification policy (cheap enough for the < 2 ms overlay prepare):
   every entry's kind/mode/size with the manifest (catches truncation, deletion,
   replaced files, stale trees from older code: a different format version is refused);
 - every later use in the same process: one ``stat`` of the seal (the layer still exists);
-- ``verify(deep=True)`` (``dsec image verify --deep``): re-hash every file's content.
+- ``verify(deep=True)`` (``dsec image verify --deep``): compare every file's content with its manifest ref (crc32, or the source blob's bytes).
 A failed check deletes the layer dir; the next ensure re-unpacks it from its verified blob.
 """
 
