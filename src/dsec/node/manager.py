@@ -423,6 +423,8 @@ def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, 
     if pid and _is_sandbox_init(pid, p.sandbox_id, isolation):
         kill_pid(pid)
         wait_gone(pid, 5.0)
+    if isolation == "gvisor":
+        _kill_gvisor_processes(p.sandbox_id, rt.state_root)
     cgroups.kill_and_remove(CGROUP_PARENT, p.sandbox_id)
     rt.remove_state(p.sandbox_id)
     for mp in (p.rootfs, p.scratch):
@@ -435,6 +437,51 @@ def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, 
     p.socket.unlink(missing_ok=True)
     if p.base.exists():
         shutil.rmtree(p.base)
+
+
+def _kill_gvisor_processes(sandbox_id: str, state_root: Path) -> None:
+    """SIGKILL every host process of a gVisor sandbox: runsc run/boot/gofer (their argv
+    names the sandbox id and our runsc state root) and their descendants (stubs).
+
+    A manager killed mid-create leaves ``runsc run`` working; it finishes after our
+    cleanup, and the sandbox it starts was never moved into our cgroups, so neither the
+    init pid (not yet recorded) nor the cgroup kill reaches it.
+    """
+    root = str(state_root).encode()
+    for _ in range(20):  # `runsc run` may fork its sandbox while we scan: rescan until quiet
+        seeds = [q for q in _gvisor_pids(sandbox_id, 0) if q and _argv_has(q, root)]
+        if not seeds:
+            return
+        victims = set(_descendants(seeds))
+        for q in victims:
+            kill_pid(q)
+        for q in victims:
+            wait_gone(q, 5.0)
+
+
+def _argv_has(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(roots), list(roots)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return sorted(out)
 
 
 def _has_mounts_below(base: Path) -> bool:
