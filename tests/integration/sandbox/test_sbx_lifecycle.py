@@ -98,7 +98,8 @@ async def test_restart_adopts_running_sandboxes(sbx_env, tmp_path, tier):
 
 
 async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
-    """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 16 times:
+    """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 16 times
+    (every other kill aimed inside a destroy):
     each fresh manager's start() adopts healthy sandboxes and cleans half-made or
     half-destroyed ones; at the end every adopted sandbox execs, and after destroying
     them no mount, cgroup, runtime state, dir, socket or recorded process remains."""
@@ -116,12 +117,19 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
         assert child.stdout
         line = await asyncio.wait_for(child.stdout.readline(), 60)
         assert line.startswith(b"started"), line + await child.stdout.read()
-        await asyncio.sleep(rng.uniform(0.05, 0.8))
+        seen = [line]
+        if i % 2:  # a random moment of any operation (creates dominate: they take longest)
+            await asyncio.sleep(rng.uniform(0.05, 0.8))
+        else:  # a random moment inside a destroy (~20 ms), so those are hit too
+            while not line.startswith(b"destroying"):
+                line = await asyncio.wait_for(child.stdout.readline(), 60)
+                assert line, "the child died on its own"
+                seen.append(line)
+            await asyncio.sleep(rng.uniform(0, 0.02))
         child.send_signal(signal.SIGKILL)
-        out = line + await child.stdout.read()
+        out = b"".join(seen) + await child.stdout.read()
         await child.wait()
-        last = out.decode().splitlines()[-1].split()
-        killed_in.append(last[0])  # "creating"/"destroying": killed mid-operation
+        killed_in.append(out.decode().splitlines()[-1].split()[0])  # "creating"/"destroying": mid-operation
         for words in (ln.split() for ln in out.decode().splitlines()):
             if words[0] in ("creating", "created", "destroying"):
                 ids.add(words[1])
@@ -154,3 +162,35 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     assert not [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if str(home) in ln]
     assert not (set(cgroups.all_sandbox_cgroup_ids("dsec")) & ids)
     assert not list((run_dir / "s").glob("*.sock")) if (run_dir / "s").exists() else True
+
+
+async def test_sigkill_mid_gvisor_create_leaves_nothing(sbx_env, tmp_path):
+    """A manager killed while `runsc run` is starting a gVisor sandbox leaves that runsc
+    working; a manager started at once must still remove everything: the in-flight
+    runsc, the sandbox it starts (never moved into our cgroups), its state and dirs."""
+    if "gvisor" not in (await start_node(sbx_env, tmp_path / "probe-home")).manager.isolations:
+        pytest.skip("needs runsc")
+    home, run_dir = tmp_path / "home", Path(f"/tmp/dsr-gvcrash-{os.getpid()}")
+    run_dir.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    ids: set[str] = set()
+    for delay in (0.02, 0.1, 0.2):
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), "0",
+            "gvisor", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+        assert child.stdout
+        while not (line := await asyncio.wait_for(child.stdout.readline(), 60)).startswith(b"creating"):
+            assert line, "the child died on its own"
+        ids.add(line.split()[1].decode())
+        await asyncio.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        await child.stdout.read()
+        await child.wait()
+    node = await start_node(sbx_env, home, run_dir)  # at once: the last runsc may still be working
+    try:
+        for sid in ids - set(node.manager.live):
+            assert leftovers(node, sid) == [], sid
+    finally:
+        await stop_node(node)
+    for sid in ids:
+        assert leftovers(node, sid) == [], sid
