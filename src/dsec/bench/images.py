@@ -122,7 +122,7 @@ def _rebuild(home: Path, work: Path) -> dict:
             "ratio_rebuild_vs_cold": warm / cold}
 
 
-def run(report_dir: Path | str = "bench-reports", rounds: int = 3, prepares: int = 500) -> dict:
+def run(report_dir: Path | str = "bench-reports", rounds: int = 4, prepares: int = 500) -> dict:
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     s = get_settings()
@@ -132,15 +132,20 @@ def run(report_dir: Path | str = "bench-reports", rounds: int = 3, prepares: int
     try:
         archive = _docker_archive(src, work)
         ours, podman = [], []
-        for _ in range(rounds):  # alternate so page cache / disk state favour neither side
-            ours.append(_ours(archive, work))
-            podman.append(_podman(archive, work))
+        for r in range(rounds):  # alternate who goes first so disk/page-cache state favours neither
+            first, second = (_ours, _podman) if r % 2 == 0 else (_podman, _ours)
+            for fn in (first, second):
+                os.sync()
+                time.sleep(2)  # let the previous side's deletes/discards settle
+                (ours if fn is _ours else podman).append(fn(archive, work))
         home = work / "main"
         _store(home).import_archive(archive)
         result = {
             "archive_bytes": archive.stat().st_size,
             "import": {"ours_s": min(ours), "podman_load_s": min(podman), "ours_all": ours, "podman_all": podman,
-                       "ratio_ours_vs_podman": min(ours) / min(podman)},
+                       "ratio_ours_vs_podman": min(ours) / min(podman),
+                       "ratio_median": statistics.median(ours) / statistics.median(podman),
+                       "load_avg_1m": os.getloadavg()[0]},
             "prepare": _prepare(home, prepares),
             "rebuild": _rebuild(home, work),
         }
