@@ -449,7 +449,8 @@ def _kill_gvisor_processes(sandbox_id: str, state_root: Path) -> None:
     """
     root = str(state_root).encode()
     for _ in range(20):  # `runsc run` may fork its sandbox while we scan: rescan until quiet
-        seeds = [q for q in _gvisor_pids(sandbox_id, 0) if q and _argv_has(q, root)]
+        seeds = [int(d.name) for d in Path("/proc").iterdir()
+                 if d.name.isdigit() and _argv_has(int(d.name), sandbox_id.encode(), root)]
         if not seeds:
             return
         victims = set(_descendants(seeds))
@@ -459,11 +460,12 @@ def _kill_gvisor_processes(sandbox_id: str, state_root: Path) -> None:
             wait_gone(q, 5.0)
 
 
-def _argv_has(pid: int, needle: bytes) -> bool:
+def _argv_has(pid: int, *needles: bytes) -> bool:
     try:
-        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return all(n in argv for n in needles)
 
 
 def _descendants(roots: list[int]) -> list[int]:
