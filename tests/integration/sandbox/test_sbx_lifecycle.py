@@ -15,7 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from sbx_helpers import HERE, gvisor_host_pids, leftovers, make, reap_until_gone, sh, start_node, stop_node
+from sbx_helpers import (
+    HERE,
+    Neighbour,
+    gvisor_host_pids,
+    leftovers,
+    make,
+    reap_until_gone,
+    sh,
+    start_node,
+    stop_node,
+)
 
 from dsec.errors import Conflict
 from dsec.node import cgroups
@@ -174,6 +184,9 @@ async def test_sigkill_mid_gvisor_create_leaves_nothing(sbx_env, tmp_path):
     home, run_dir = tmp_path / "home", Path(f"/tmp/dsr-gvcrash-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    first = await start_node(sbx_env, home, run_dir)
+    nb = await Neighbour.make(first, "gvisor")  # same home and runsc root: must survive the cleanup
+    first.manager.close()
     ids: set[str] = set()
     for delay in (0.02, 0.1, 0.2):
         child = await asyncio.create_subprocess_exec(
@@ -191,6 +204,9 @@ async def test_sigkill_mid_gvisor_create_leaves_nothing(sbx_env, tmp_path):
     try:
         for sid in ids - set(node.manager.live):
             assert leftovers(node, sid) == [], sid
+        assert nb.id in node.manager.live
+        nb.node = node
+        await nb.assert_healthy()
     finally:
         await stop_node(node)
     for sid in ids:
