@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -175,23 +174,22 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     assert not list((run_dir / "s").glob("*.sock")) if (run_dir / "s").exists() else True
 
 
-async def test_sigkill_mid_gvisor_create_leaves_nothing(sbx_env, tmp_path):
-    """A manager killed while `runsc run` is starting a gVisor sandbox leaves that runsc
-    working; a manager started at once must still remove everything: the in-flight
-    runsc, the sandbox it starts (never moved into our cgroups), its state and dirs."""
-    if shutil.which("runsc") is None:
-        pytest.skip("needs runsc")
-    home, run_dir = tmp_path / "home", Path(f"/tmp/dsr-gvcrash-{os.getpid()}")
+async def test_sigkill_mid_create_leaves_nothing(sbx_env, tmp_path, tier):
+    """A manager killed while `runc run`/`runsc run` is starting a sandbox leaves that
+    runtime call working; a manager started at once must still remove everything: the
+    in-flight runtime, the sandbox it starts (on gVisor never moved into our cgroups),
+    its state and dirs - and must not touch a live neighbour of the same home."""
+    home, run_dir = tmp_path / "home", Path(f"/tmp/dsr-midcrash-{os.getpid()}")
     run_dir.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     first = await start_node(sbx_env, home, run_dir)
-    nb = await Neighbour.make(first, "gvisor")  # same home and runsc root: must survive the cleanup
+    nb = await Neighbour.make(first, tier)  # same home and runtime root: must survive the cleanup
     first.manager.close()
     ids: set[str] = set()
     for delay in (0.02, 0.1, 0.2):
         child = await asyncio.create_subprocess_exec(
             sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), "0",
-            "gvisor", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+            tier, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
         assert child.stdout
         while not (line := await asyncio.wait_for(child.stdout.readline(), 60)).startswith(b"creating"):
             assert line, "the child died on its own"
