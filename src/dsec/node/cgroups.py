@@ -101,7 +101,11 @@ def kill_and_remove(parent: str, sandbox_id: str, timeout: float = 5.0) -> int:
     removed = 0
     for d in sorted(sandbox_cgroup_dirs(parent, sandbox_id), key=lambda p: -len(p.parts)):
         while True:
-            for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            try:
+                subs = sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            except FileNotFoundError:
+                break  # removed under us: a runtime (e.g. an orphaned `runc run`) cleaned it up
+            for sub in subs:
                 try:
                     sub.rmdir()
                 except OSError:
