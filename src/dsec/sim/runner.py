@@ -42,10 +42,12 @@ def run_all(cfg: SimConfig, out: Path | None, settings: Settings | None = None,
                 results.append(fut.result())
                 if progress:
                     progress(name, 1.0)
+                if out is not None:  # a partial report survives an interrupted long run
+                    write_report(out, meta, results)
     else:
         for name in cfg.policies:
             cb = (lambda f, n=name: progress(n, f)) if progress else None
             results.append(_timed(cfg, name, settings, cb))
-    if out is not None:
-        write_report(out, meta, results)
+            if out is not None:
+                write_report(out, meta, results)
     return meta, results
