@@ -35,8 +35,8 @@ async def test_timeout_kills_the_whole_tree_not_the_sandbox(node, tier):
 
 
 @pytest.mark.parametrize("tier", ["container", pytest.param("gvisor", marks=pytest.mark.xfail(
-    strict=True, reason="gVisor reparents orphans of the one-shot `dsec-init run` to PID 1 instead of "
-                        "it (child subreaper), so setsid daemons escape the timeout tree-kill"))])
+    strict=True, reason="gVisor 2022-12 rejects prctl(PR_SET_CHILD_SUBREAPER) (EINVAL): orphans of the "
+                        "one-shot `dsec-init run` go to PID 1, so setsid daemons escape the timeout tree-kill"))])
 async def test_timeout_kills_setsid_daemons(node, tier):
     """A daemon the command detached with setsid is still part of its tree and dies with
     it on timeout; the exec returns at its timeout even though the daemon held stdout."""

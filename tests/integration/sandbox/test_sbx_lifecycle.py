@@ -108,7 +108,7 @@ async def test_restart_adopts_running_sandboxes(sbx_env, tmp_path, tier):
 
 
 async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
-    """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 16 times
+    """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 20 times
     (every other kill aimed inside a destroy):
     each fresh manager's start() adopts healthy sandboxes and cleans half-made or
     half-destroyed ones; at the end every adopted sandbox execs, and after destroying
@@ -120,7 +120,7 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     pids: set[int] = set()
     killed_in: list[str] = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    for i in range(16):
+    for i in range(20):
         child = await asyncio.create_subprocess_exec(
             sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), str(i),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
