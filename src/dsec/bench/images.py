@@ -50,9 +50,7 @@ def _ours(archive: Path, work: Path) -> float:
     os.sync()  # start both sides with no dirty pages of the other side pending
     t0 = time.perf_counter()
     _store(home).import_archive(archive)
-    dt = time.perf_counter() - t0
-    shutil.rmtree(home)
-    return dt
+    return time.perf_counter() - t0  # home removed with `work` at the end (no deletes between runs)
 
 
 def _podman(archive: Path, work: Path) -> float:
@@ -66,10 +64,19 @@ def _podman(archive: Path, work: Path) -> float:
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"podman load failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    subprocess.run(base + ["system", "reset", "-f"], capture_output=True, check=False)
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(runroot, ignore_errors=True)
-    return dt
+    _PODMAN_CLEANUP.append((base, root, runroot))  # deleted at the end: deletes (ext4 discard)
+    return dt                                      # between runs slowed whichever side ran next
+
+
+_PODMAN_CLEANUP: list[tuple[list[str], Path, Path]] = []
+
+
+def _cleanup_podman() -> None:
+    while _PODMAN_CLEANUP:
+        base, root, runroot = _PODMAN_CLEANUP.pop()
+        subprocess.run(base + ["system", "reset", "-f"], capture_output=True, check=False)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(runroot, ignore_errors=True)
 
 
 def _prepare(home: Path, n: int) -> dict:
@@ -122,7 +129,7 @@ def _rebuild(home: Path, work: Path) -> dict:
             "ratio_rebuild_vs_cold": warm / cold}
 
 
-def run(report_dir: Path | str = "bench-reports", rounds: int = 4, prepares: int = 500) -> dict:
+def run(report_dir: Path | str = "bench-reports", rounds: int = 3, prepares: int = 500) -> dict:
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     s = get_settings()
@@ -150,6 +157,7 @@ def run(report_dir: Path | str = "bench-reports", rounds: int = 4, prepares: int
             "rebuild": _rebuild(home, work),
         }
     finally:
+        _cleanup_podman()
         shutil.rmtree(work, ignore_errors=True)
     (report_dir / "images.json").write_text(json.dumps(result, indent=2))
     return result
