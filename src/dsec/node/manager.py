@@ -325,7 +325,13 @@ class SandboxManager:
             self.live[sid] = rec
             if st in (S.ready, S.idle, S.creating):
                 self._set_state(rec, S.stopping, error=rec.info.error or "found dead or half-made at restart")
-            await self._teardown(rec)
+            try:
+                await self._teardown(rec)
+            except SandboxFailure:
+                # One sandbox's cleanup failing must not keep the node down; its record stays
+                # 'failed' and the next reconcile (or reaper pass) retries it.
+                log.exception("reconcile: cleanup of %s failed; will retry", sid)
+                continue
             cleaned += 1
         cleaned += await self._sweep_orphans(known)
         self.counters["adopted"] += adopted
