@@ -382,6 +382,13 @@ class SandboxManager:
         reaped = 0
         for rec in list(self.live.values()):
             st = rec.info.state
+            if st is S.failed:  # a cleanup that failed earlier: retry it
+                try:
+                    await self._teardown(rec)
+                    self.counters["leaks_cleaned"] += 1
+                except SandboxFailure:
+                    log.warning("retrying cleanup of %s failed again", rec.info.id)
+                continue
             if st not in (S.idle, S.ready):
                 continue
             if rec.info.expires_at and rec.info.expires_at <= now:
