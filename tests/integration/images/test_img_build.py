@@ -92,3 +92,5 @@ def test_failing_step_registers_nothing(store: ImageStore, tmp_path: Path, backe
     assert store.db.leases() == {}
     sandboxes = store.root / "node-build" / "sandboxes"
     assert not sandboxes.exists() or list(sandboxes.iterdir()) == []
+    import glob
+    assert glob.glob("/run/dsec-build-*") == []  # the manager backend's run dir is gone too
