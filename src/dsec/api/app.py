@@ -76,6 +76,10 @@ def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
     app.include_router(routes_admin.images)
     app.include_router(routes_admin.tenants)
     app.include_router(routes_admin.system)
+    if getattr(services.node, "manager", None) is not None:
+        # Episodes (trajectory log, checkpoints, fast-forward resume) need a real node.
+        from dsec.api.episodes import install_episodes
+        app.state.episodes = install_episodes(app, services)
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).
     app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))

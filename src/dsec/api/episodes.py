@@ -111,7 +111,8 @@ async def close(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
 
 def include_episodes(app: FastAPI, engine: EpisodeEngine) -> None:
     app.state.episodes = engine
-    app.include_router(router)
+    if not any(getattr(r, "path", "").startswith(router.prefix) for r in app.router.routes):
+        app.include_router(router)  # idempotent: a later call only swaps the engine
 
 
 def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:

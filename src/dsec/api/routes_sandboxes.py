@@ -12,6 +12,7 @@ from dsec.api.deps import Ctx, SandboxId
 from dsec.api.schemas import (
     AuditEntry,
     BulkKillRequest,
+    NetworkRequest,
     BulkKillResult,
     ErrorLine,
     SignalRequest,
@@ -65,6 +66,13 @@ async def kill(sandbox_id: SandboxId, ctx: Ctx) -> Response:
     svc, t = ctx.svc, ctx.tenant
     await svc.sandboxes.kill(t, sandbox_id)
     return Response(status_code=204)
+
+
+@router.put("/{sandbox_id}/network", response_model=SandboxInfo,
+            summary="Replace the egress allow-list of a live sandbox (host-side, immediate)")
+async def update_network(sandbox_id: SandboxId, req: NetworkRequest, ctx: Ctx) -> SandboxInfo:
+    svc, t = ctx.svc, ctx.tenant
+    return await svc.sandboxes.update_network(t, sandbox_id, req.allow)
 
 
 @router.put("/{sandbox_id}/timeout", response_model=SandboxInfo, summary="Set the wall timeout from now")

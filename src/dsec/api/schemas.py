@@ -17,6 +17,12 @@ class TimeoutRequest(BaseModel):
     timeout: float = Field(..., gt=0, le=7 * 24 * 3600, description="New wall timeout from now (s)")
 
 
+class NetworkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    allow: list[str] = Field(..., max_length=256,
+                             description="New egress allow-list: IP[:port], CIDR[:port], hostname[:port]")
+
+
 class BulkKillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     labels: dict[str, str] = Field(..., min_length=1, description="Kill every own sandbox with all these labels")

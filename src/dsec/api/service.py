@@ -234,6 +234,15 @@ class SandboxService:
         results = await asyncio.gather(*(self.kill(tenant, v) for v in victims), return_exceptions=True)
         return [v for v, r in zip(victims, results) if not isinstance(r, BaseException)]
 
+    async def update_network(self, tenant: TenantRecord, sandbox_id: str, allow: list[str]) -> SandboxInfo:
+        await self._owned(tenant, sandbox_id)
+        update = getattr(self.node, "update_network", None)
+        if update is None:
+            raise InvalidArgument("this node cannot change network allow-lists", field="allow")
+        info = await update(sandbox_id, allow)
+        self.audit.record(sandbox_id, tenant.name, "network_update", allow=allow)
+        return info
+
     async def set_timeout(self, tenant: TenantRecord, sandbox_id: str, timeout: float) -> SandboxInfo:
         await self._owned(tenant, sandbox_id)
         info = await self.node.set_timeout(sandbox_id, timeout)

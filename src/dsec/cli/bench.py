@@ -31,3 +31,49 @@ def sandbox(rounds: int = typer.Option(10, help="create/destroy rounds per image
     with console.status("benchmarking sandboxes") as status:
         report = run(rounds=rounds, exec_n=execs, many=many, progress=lambda m: status.update(m))
     _emit(report, out, "sandbox-bench")
+
+
+@app.command()
+def images(out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """Import vs podman load, overlay prepare, unchanged rebuild (needs the python image)."""
+    from dsec.bench.images import run
+    _emit(run(out), out, "images-bench")
+
+
+@app.command("exec-agent")
+def exec_agent(calls: int = typer.Option(2000, help="round trips")) -> None:
+    """The in-sandbox exec agent's round trip vs fork+exec of the same command."""
+    from dsec.bench.exec_agent import run
+    _emit(run(calls=calls), Path("reports"), "exec-agent-bench")
+
+
+@app.command()
+def net() -> None:
+    """Network slot attach vs bare netns creation; throughput vs a plain veth (iperf3)."""
+    from dsec.bench.net import run
+    _emit(run(), Path("reports"), "net-bench")
+
+
+@app.command()
+def scheduler(requests: int = typer.Option(20_000, help="placement requests")) -> None:
+    """Placement decisions/s at 1,000 and 10,000 nodes, ours vs a Kubernetes-style baseline."""
+    from dsec.bench.scheduler import run
+    _emit(run(requests=requests), Path("reports"), "scheduler-bench")
+
+
+@app.command()
+def recovery(out: Path = typer.Option(Path("reports"), help="report directory"),
+             reps: int = typer.Option(20, help="steps per size")) -> None:
+    """Per-step checkpoint overhead and restore time (50-step, 20 MB episode)."""
+    import asyncio
+
+    from dsec.bench.recovery import run
+    _emit(asyncio.run(run(out, reps=reps)), out, "recovery-bench")
+
+
+@app.command()
+def api(sandboxes: int = typer.Option(200, help="concurrent sandboxes"),
+        execs: int = typer.Option(50, help="execs per sandbox")) -> None:
+    """SDK-over-HTTP overhead and one asyncio client driving many sandboxes."""
+    from dsec.bench.api import run
+    _emit(run(sandboxes=sandboxes, execs=execs), Path("reports"), "api-bench")

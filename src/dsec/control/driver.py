@@ -46,7 +46,7 @@ def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings
     disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
     return Request(request_id, tenant, spec.image, spec.cpu or s.default_cpu, mem, disk,
                    PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
-                   bool(spec.network), spec.timeout or s.default_timeout_s, dict(spec.labels),
+                   spec.network is not None, spec.timeout or s.default_timeout_s, dict(spec.labels),
                    task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec)
 
 
@@ -90,6 +90,23 @@ class SchedulerDriver:
             if not fut.done():
                 fut.set_exception(SandboxFailure(f"request {rid!r}: scheduler shut down before it was placed"))
         self._waiters.clear()
+        await self._drain_pools()
+
+    async def _drain_pools(self) -> None:
+        """Destroy unclaimed warm-pool members: nobody owns them, and a restart rebuilds
+        pools from demand, so keeping them would only be a leak across shutdowns."""
+        for node_id, agent in self.agents.items():
+            try:
+                members = await agent.list(labels={POOL_LABEL: "1"})
+            except Exception:  # noqa: BLE001 - best effort on shutdown; the reaper/reconcile remain
+                log.exception("listing pool members on %s failed", node_id)
+                continue
+            for info in members:
+                if info.state.value == "ready":
+                    try:
+                        await agent.destroy(info.id)
+                    except Exception:  # noqa: BLE001
+                        log.exception("destroying pool member %s failed", info.id)
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
@@ -99,6 +116,7 @@ class SchedulerDriver:
             layers, version = (self.image_resolver(spec.image) if self.image_resolver
                                else ([(f"image:{spec.image}", 1)], ""))
             self.sched.register_image(spec.image, layers, version)
+        spec = self._default_to_fit(spec)
         req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
         t = self.sched.submit(req, self.clock())
         if t.state in ("queued", "placed") and request_id not in self._waiters:
@@ -107,6 +125,24 @@ class SchedulerDriver:
                 self._sids[request_id] = sandbox_id
         self._wake.set()
         return t
+
+    def _default_to_fit(self, spec: SandboxSpec) -> SandboxSpec:
+        """Fill sizes the user left out with the defaults, clamped to the largest node (a
+        2-core dev box still runs the 4-CPU default shape); explicit sizes are kept and
+        judged by the scheduler, which rejects what no node can ever hold."""
+        if spec.cpu is not None and spec.memory is not None and spec.disk is not None:
+            return spec
+        caps = [a.capacity() for a in self.agents.values()]
+        if not caps:
+            return spec
+        fill: dict[str, object] = {}
+        if spec.cpu is None:
+            fill["cpu"] = min(self.s.default_cpu, max(c.cpu for c in caps))
+        if spec.memory is None:
+            fill["memory"] = min(parse_bytes(self.s.default_memory), max(c.memory for c in caps))
+        if spec.disk is None:
+            fill["disk"] = min(parse_bytes(self.s.default_disk), max(c.disk for c in caps))
+        return spec.model_copy(update=fill)
 
     async def wait(self, request_id: str, timeout: float | None = None) -> SandboxInfo:
         """Wait until ``request_id`` has a sandbox (or failed: raises)."""

@@ -130,6 +130,9 @@ class SandboxManager:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir / "s", 0o700)
         self.agent_binary = await asyncio.to_thread(ensure_agent_binary, self.home / "bin")
+        # Verify cached layers in the background so the first create does not pay for it.
+        if hasattr(self.images, "start_preverify"):
+            self.images.start_preverify()
         await self.reconcile()
 
     def close(self) -> None:

@@ -58,6 +58,9 @@ class _Api:
     def kill_by_labels(self, labels: dict[str, str]) -> Any:
         return self._run(_ops.kill_by_labels(labels))
 
+    def update_network(self, sandbox_id: str, allow: list[str]) -> Any:
+        return self._run(_ops.update_network(sandbox_id, allow))
+
     def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
         return self._run(_ops.set_timeout(sandbox_id, timeout))
 

@@ -71,6 +71,11 @@ def kill_by_labels(labels: dict[str, str]) -> Call[list[str]]:
                 json={"labels": labels}, idempotent=True)
 
 
+def update_network(sandbox_id: str, allow: list[str]) -> Call[SandboxInfo]:
+    return Call("PUT", f"{_SB}/{_sid(sandbox_id)}/network", lambda r: SandboxInfo.model_validate_json(r.content),
+                json={"allow": list(allow)}, idempotent=True)
+
+
 def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
     return Call("PUT", f"{_SB}/{_sid(sandbox_id)}/timeout", lambda r: SandboxInfo.model_validate_json(r.content),
                 json={"timeout": timeout}, idempotent=True)

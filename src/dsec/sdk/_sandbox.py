@@ -52,6 +52,17 @@ class _Files:
         return self._sb._c.download_tar(self._sb.id, path)
 
 
+class _Network:
+    """``sb.network``: the sandbox's egress allow-list (created with ``network=[...]``)."""
+
+    def __init__(self, sb: _SandboxOps) -> None:
+        self._sb = sb
+
+    def update(self, allow: list[str]) -> Any:
+        """Replace the allow-list; takes effect at once (also cuts open flows it removes)."""
+        return self._sb._c.update_network(self._sb.id, allow)
+
+
 class _SandboxOps:
     _c: Any
 
@@ -59,6 +70,7 @@ class _SandboxOps:
         self.info = info
         self._c = client
         self.files = _Files(self)
+        self.network = _Network(self)
 
     @property
     def id(self) -> str:
