@@ -14,37 +14,19 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from dsec.api.auth import hash_token
 from dsec.api.services import Services
 from dsec.config import Settings
+from dsec.durable import atomic_write
 from dsec.errors import Conflict
 from dsec.sdk._config import SERVER_FILE, TOKEN_FILE, read_token_file
 from dsec.state.sqlite import SqliteStateStore
 
 log = logging.getLogger("dsec.serve")
+
 LOCAL_TENANT = "local"
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """temp + fsync + rename + dir fsync: the file is either old or new after a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def ensure_local_token(services: Services) -> str:

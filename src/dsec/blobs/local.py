@@ -9,17 +9,10 @@ from pathlib import Path
 
 from dsec import errors
 from dsec.blobs.base import BlobStat, check_key
+from dsec.durable import fsync_dir
 from dsec.testing.faults import fault_point
 
 _TMP = ".tmp"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _makedirs_durable(root: Path, rel_dir: Path) -> None:

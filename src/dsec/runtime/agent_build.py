@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from dsec.durable import fsync_dir
 from dsec.errors import SandboxFailure
 
 SOURCE = Path(__file__).parent / "agent" / "dsec_init.c"
@@ -26,14 +27,6 @@ def binary_name(source: bytes, flags: tuple[str, ...] = CFLAGS) -> str:
     """Content-addressed file name of the binary built from source with flags."""
     digest = hashlib.sha256(source + b"\0" + "\0".join(flags).encode()).hexdigest()
     return f"dsec-init-{digest[:24]}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _explain_failure(stderr: str) -> str:
@@ -67,7 +60,7 @@ def ensure_agent_binary(dest_dir: Path) -> Path:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, dest)
-        _fsync_dir(dest_dir)
+        fsync_dir(dest_dir)
     finally:
         tmp.unlink(missing_ok=True)
     return dest
