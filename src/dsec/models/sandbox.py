@@ -44,7 +44,8 @@ class SandboxSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every exec")
     workdir: str | None = Field(None, max_length=4096, description="Default cwd for exec")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels (run, task, ...)")
-    request_id: str | None = Field(None, max_length=256, description="Idempotency key")
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$",
+                                   description="Idempotency key (printable ASCII, no spaces)")
     priority: Literal["high", "medium", "low"] = Field("medium", description="Scheduling priority")
     gpu: str | None = Field(None, max_length=64, description="GPU slice type, e.g. 'mig-1g.10gb'")
 
