@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     api_shutdown_grace_s: float = Field(10.0, description="Graceful shutdown: wait this long for requests")
     api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
-    api_scheduler: bool = Field(True, description="Creates go through the control-plane scheduler driver")
+    api_scheduler: bool = Field(False, description="Creates go through the control-plane scheduler driver")
     api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
     client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")
     api_loop_lag_probe_s: float = Field(0.25, description="Event-loop lag is sampled this often (metric)")
