@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dsec.durable import atomic_write  # noqa: E402
 
 ROWS = [
     ("queue_wait_p50_s", "queue wait p50 (s)", "{:.3f}"),
@@ -41,19 +41,6 @@ def _fmt(fmt: str, v: object) -> str:
     if fmt == "gib":
         return f"{float(v) / 1024**3:,.1f}"  # type: ignore[arg-type]
     return fmt.format(v)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def render_markdown(meta: dict, results: list[dict]) -> str:
@@ -105,9 +92,9 @@ def plot(out: Path, results: list[dict]) -> None:
 def write_report(out: Path, meta: dict, results: list[dict]) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
-    _atomic_write(paths["json"], json.dumps({"meta": meta, "results": results}, indent=1,
+    atomic_write(paths["json"], json.dumps({"meta": meta, "results": results}, indent=1,
                                             sort_keys=True).encode())
-    _atomic_write(paths["md"], render_markdown(meta, results).encode())
+    atomic_write(paths["md"], render_markdown(meta, results).encode())
     plot(out, results)
     paths["comparison"] = out / "comparison.png"
     paths["timeline"] = out / "timeline.png"
