@@ -3,44 +3,20 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 from dsec.blobs import LocalBlobStore, ReplicatedBlobStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dsec.testing.s3server import moto_server
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint() -> str:
+def moto_endpoint() -> Iterator[str]:
     """A real S3-compatible HTTP server (moto server mode) on loopback, for this session."""
-    port = _free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start")
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 def make_s3(endpoint: str):

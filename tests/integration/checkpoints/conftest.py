@@ -43,34 +43,14 @@ def image_dir(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def s3_store_factory():
     """S3 blob stores on a real S3-compatible server (moto server mode) on loopback."""
-    import socket
-    import subprocess
-    import sys
-    import time
     import uuid
 
     from dsec.blobs.s3 import S3BlobStore
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.1)
-    bucket = f"ck-{uuid.uuid4().hex[:10]}"
+    from dsec.testing.s3server import moto_server
+    with moto_server() as endpoint:
+        bucket = f"ck-{uuid.uuid4().hex[:10]}"
 
-    def make():
-        return S3BlobStore(bucket, endpoint_url=f"http://127.0.0.1:{port}", create_bucket=True,
-                           region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
-    yield make
-    proc.terminate()
-    proc.wait(timeout=10)
+        def make():
+            return S3BlobStore(bucket, endpoint_url=endpoint, create_bucket=True, region_name="us-east-1",
+                               aws_access_key_id="testing", aws_secret_access_key="testing")
+        yield make
