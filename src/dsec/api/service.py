@@ -138,7 +138,8 @@ class SandboxService:
             raise _not_found(sandbox_id)
 
     # --- create ------------------------------------------------------------------
-    async def create(self, tenant: TenantRecord, spec: SandboxSpec) -> SandboxInfo:
+    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
+        """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
         self._check_image(tenant, spec.image)
         self._check_limits(tenant, spec)
         if self._image_check is not None:
@@ -148,15 +149,16 @@ class SandboxService:
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
                              " retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
         if spec.request_id is None:
-            return await self._create_new(tenant, spec, new_sandbox_id())
+            return await self._create_new(tenant, spec, new_sandbox_id(), creator)
         key = (tenant.name, spec.request_id)
         async with self._idem_locks[key]:
             try:
-                return await self._create_idempotent(tenant, spec)
+                return await self._create_idempotent(tenant, spec, creator)
             finally:
                 self._idem_locks.pop(key, None)
 
-    async def _create_idempotent(self, tenant: TenantRecord, spec: SandboxSpec) -> SandboxInfo:
+    async def _create_idempotent(self, tenant: TenantRecord, spec: SandboxSpec,
+                                 creator: Creator | None = None) -> SandboxInfo:
         assert spec.request_id is not None
         rec = await asyncio.to_thread(self.state.idem_reserve, IdempotencyRecord(
             tenant=tenant.name, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
@@ -171,14 +173,15 @@ class SandboxService:
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
                 return SandboxInfo.model_validate({**rec.info, "state": SandboxState.destroyed})
         try:
-            info = await self._create_new(tenant, spec, rec.sandbox_id)
+            info = await self._create_new(tenant, spec, rec.sandbox_id, creator)
         except DSecError:
             await asyncio.to_thread(self.state.idem_delete, tenant.name, spec.request_id)  # retry afresh
             raise
         await asyncio.to_thread(self.state.idem_complete, tenant.name, spec.request_id, info.model_dump(mode="json"))
         return info
 
-    async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str) -> SandboxInfo:
+    async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
+                          creator: Creator | None = None) -> SandboxInfo:
         self._inflight += 1
         self.metrics.inflight_creates.set(self._inflight)
         t0 = time.perf_counter()
@@ -190,7 +193,7 @@ class SandboxService:
                 await asyncio.to_thread(self.state.record_sandbox, sandbox_id, tenant.name, time.time())
                 self._owners[sandbox_id] = tenant.name
                 self._creating.add(sandbox_id)
-            info = await self._creator(spec, sandbox_id, tenant.name)
+            info = await (creator or self._creator)(spec, sandbox_id, tenant.name)
         except Exception as e:
             self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()
             await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
