@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from dsec import __version__
-from dsec.api import routes_admin, routes_files, routes_sandboxes
+from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sandboxes
 from dsec.api.errors import install_error_handlers
 from dsec.api.metrics import Metrics
 from dsec.api.services import Services
@@ -76,10 +76,17 @@ def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
     app.include_router(routes_admin.images)
     app.include_router(routes_admin.tenants)
     app.include_router(routes_admin.system)
+    app.include_router(routes_checkpoints.router)
+    app.state.checkpoints = None
     if getattr(services.node, "manager", None) is not None:
-        # Episodes (trajectory log, checkpoints, fast-forward resume) need a real node.
+        # Episodes (trajectory log, checkpoints, fast-forward resume) and sandbox
+        # checkpoints need a real node (overlay upper dirs, cgroup freezer).
         from dsec.api.episodes import install_episodes
+        from dsec.blobs import open_checkpoint_store
+        from dsec.checkpoints.sandbox_ckpt import SandboxCheckpoints
         app.state.episodes = install_episodes(app, services)
+        app.state.checkpoints = SandboxCheckpoints(services.settings, open_checkpoint_store(services.settings),
+                                                   services.node)
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).
     app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))

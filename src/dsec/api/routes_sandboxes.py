@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from dsec.api.deps import Ctx, SandboxId
@@ -62,9 +62,12 @@ async def get(sandbox_id: SandboxId, ctx: Ctx) -> Response:
 
 
 @router.delete("/{sandbox_id}", status_code=204, summary="Kill a sandbox (nothing is left behind)")
-async def kill(sandbox_id: SandboxId, ctx: Ctx) -> Response:
+async def kill(sandbox_id: SandboxId, ctx: Ctx, request: Request) -> Response:
     svc, t = ctx.svc, ctx.tenant
     await svc.sandboxes.kill(t, sandbox_id)
+    ckpts = request.app.state.checkpoints
+    if ckpts is not None:  # a restored sandbox's base record is no longer needed
+        await ckpts.forget_sandbox(sandbox_id)
     return Response(status_code=204)
 
 

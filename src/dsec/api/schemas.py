@@ -108,3 +108,26 @@ class ErrorLine(BaseModel):
 
     kind: Literal["error"] = "error"
     error: dict[str, Any]
+
+
+class CheckpointInfo(BaseModel):
+    """What ``sb.checkpoint()`` returns; ``Sandbox.restore(info.id)`` brings it back."""
+
+    id: str = Field(..., description="Checkpoint id (ck-...), scoped to the tenant")
+    sandbox_id: str = Field(..., description="The sandbox it was taken of")
+    image: str
+    image_id: str | None = None
+    created_at: float
+    fs_digest: str = Field(..., description="Digest of the canonical filesystem manifest (same files = same digest)")
+    size: int = Field(..., description="Bytes of filesystem layers a restore reads")
+    parent: str | None = Field(None, description="Checkpoint the sandbox was itself restored from")
+
+
+class RestoreRequest(BaseModel):
+    """Restore a checkpoint into a NEW sandbox: same image, resources, env and files."""
+
+    model_config = ConfigDict(extra="forbid")
+    labels: dict[str, str] | None = Field(None, max_length=256, description="Replace the checkpoint's labels")
+    timeout: float | None = Field(None, gt=0, le=7 * 24 * 3600, description="Wall timeout of the new sandbox (s)")
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$",
+                                   description="Idempotency key: a retried restore returns the same sandbox")

@@ -70,6 +70,22 @@ class _Api:
     def processes(self, sandbox_id: str) -> Any:
         return self._run(_ops.processes(sandbox_id))
 
+    def checkpoint(self, sandbox_id: str) -> Any:
+        return self._run(_ops.checkpoint(sandbox_id))
+
+    def restore(self, checkpoint_id: str, labels: dict[str, str] | None = None, timeout: float | None = None,
+                request_id: str | None = None) -> Any:
+        return self._run(_ops.restore(checkpoint_id, labels, timeout, request_id))
+
+    def checkpoints(self, sandbox_id: str | None = None) -> Any:
+        return self._run(_ops.checkpoints(sandbox_id))
+
+    def get_checkpoint(self, checkpoint_id: str) -> Any:
+        return self._run(_ops.get_checkpoint(checkpoint_id))
+
+    def delete_checkpoint(self, checkpoint_id: str) -> Any:
+        return self._run(_ops.delete_checkpoint(checkpoint_id))
+
     def signal(self, sandbox_id: str, pid: int, sig: int = 9) -> Any:
         return self._run(_ops.signal(sandbox_id, pid, sig))
 

@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from dsec.api.schemas import AuditEntry, BulkKillResult, Health, TenantCreated, TenantInfo
+from dsec.api.schemas import AuditEntry, BulkKillResult, CheckpointInfo, Health, TenantCreated, TenantInfo
 from dsec.models import (
     BackgroundProcess,
     ExecRequest,
@@ -30,6 +30,7 @@ _procs = TypeAdapter(list[BackgroundProcess])
 _audit = TypeAdapter(list[AuditEntry])
 _images = TypeAdapter(list[ImageInfo])
 _tenants = TypeAdapter(list[TenantInfo])
+_checkpoints = TypeAdapter(list[CheckpointInfo])
 
 
 def _none(_: Response) -> None:
@@ -178,3 +179,36 @@ def remove_tenant(name: str) -> Call[None]:
 
 def whoami() -> Call[TenantInfo]:
     return Call("GET", "/v1/tenants/me", lambda r: TenantInfo.model_validate_json(r.content), idempotent=True)
+
+
+def checkpoint(sandbox_id: str) -> Call[CheckpointInfo]:
+    # Not idempotent: a resent request may take a second checkpoint (harmless, but not silent).
+    return Call("POST", f"{_SB}/{_sid(sandbox_id)}/checkpoints",
+                lambda r: CheckpointInfo.model_validate_json(r.content))
+
+
+def restore(checkpoint_id: str, labels: dict[str, str] | None = None, timeout: float | None = None,
+            request_id: str | None = None) -> Call[SandboxInfo]:
+    # Like create: a request id makes a retried restore return the same sandbox.
+    body: dict[str, Any] = {"request_id": request_id or "sdk-" + uuid.uuid4().hex}
+    if labels is not None:
+        body["labels"] = labels
+    if timeout is not None:
+        body["timeout"] = timeout
+    return Call("POST", f"/v1/checkpoints/{_sid(checkpoint_id)}/restore",
+                lambda r: SandboxInfo.model_validate_json(r.content), json=body, idempotent=True)
+
+
+def checkpoints(sandbox_id: str | None = None) -> Call[list[CheckpointInfo]]:
+    params = [("sandbox_id", sandbox_id)] if sandbox_id is not None else None
+    return Call("GET", "/v1/checkpoints", lambda r: _checkpoints.validate_json(r.content), params=params,
+                idempotent=True)
+
+
+def get_checkpoint(checkpoint_id: str) -> Call[CheckpointInfo]:
+    return Call("GET", f"/v1/checkpoints/{_sid(checkpoint_id)}",
+                lambda r: CheckpointInfo.model_validate_json(r.content), idempotent=True)
+
+
+def delete_checkpoint(checkpoint_id: str) -> Call[None]:
+    return Call("DELETE", f"/v1/checkpoints/{_sid(checkpoint_id)}", _none, idempotent=True)

@@ -107,6 +107,14 @@ class _SandboxOps:
     def kill(self) -> Any:
         return self._c.kill(self.id)
 
+    def checkpoint(self) -> Any:
+        """Checkpoint the filesystem; returns ``CheckpointInfo`` (``Sandbox.restore(cp.id)``)."""
+        return self._c.checkpoint(self.id)
+
+    def checkpoints(self) -> Any:
+        """Checkpoints taken of this sandbox, oldest first."""
+        return self._c.checkpoints(self.id)
+
 
 class Sandbox(_SandboxOps):
     """A sandbox used from synchronous code. ``with Sandbox.create(...) as sb:`` kills on exit."""
@@ -126,6 +134,13 @@ class Sandbox(_SandboxOps):
     def list(cls, labels: dict[str, str] | None = None, *, client: Client | None = None) -> list[Sandbox]:
         c = client or Client.default()
         return c._run(_ops.list_(labels).map(lambda infos: [cls(i, c) for i in infos]))
+
+    @classmethod
+    def restore(cls, checkpoint_id: str, *, client: Client | None = None, labels: dict[str, str] | None = None,
+                timeout: float | None = None, request_id: str | None = None) -> Sandbox:
+        """A NEW sandbox from a checkpoint: same image, resources, env and files."""
+        c = client or Client.default()
+        return c._run(_ops.restore(checkpoint_id, labels, timeout, request_id).map(lambda info: cls(info, c)))
 
     @classmethod
     def kill_by_labels(cls, labels: dict[str, str], *, client: Client | None = None) -> list[str]:
@@ -159,6 +174,14 @@ class AsyncSandbox(_SandboxOps):
     def list(cls, labels: dict[str, str] | None = None, *, client: AsyncClient | None = None) -> Any:
         c = client or AsyncClient.default()
         return c._run(_ops.list_(labels).map(lambda infos: [cls(i, c) for i in infos]))
+
+    @classmethod
+    def restore(cls, checkpoint_id: str, *, client: AsyncClient | None = None,
+                labels: dict[str, str] | None = None, timeout: float | None = None,
+                request_id: str | None = None) -> Any:
+        """``await AsyncSandbox.restore(cp.id)``: a NEW sandbox from a checkpoint."""
+        c = client or AsyncClient.default()
+        return c._run(_ops.restore(checkpoint_id, labels, timeout, request_id).map(lambda info: cls(info, c)))
 
     @classmethod
     def kill_by_labels(cls, labels: dict[str, str], *, client: AsyncClient | None = None) -> Any:
