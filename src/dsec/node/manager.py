@@ -212,10 +212,11 @@ class SandboxManager:
             netns, hosts = att.netns_path, att.hosts
         await asyncio.to_thread(self._write_bundle, rec, p, netns, hosts)
         if info.isolation == "gvisor":
-            # network=None: gVisor's own netstack with loopback only; else the slot's netns.
-            net_flag = "--network=host" if netns else "--network=none"
+            # network=None: gVisor's netstack with loopback only; else its netstack drives
+            # the slot's eth0 (the allow-list stays on the host end of the veth).
+            net_flag = "--network=sandbox" if netns else "--network=none"
             pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,),
-                                                         enter_netns=netns)
+                                                         netstack_netns=netns)
         else:
             sock = listen_socket(p.socket)
             try:
@@ -259,9 +260,9 @@ class SandboxManager:
             _gvisor_bind_tmp(config, p.rootfs)
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
-            # This runsc ignores a netns path in the spec; it is started inside the slot's
-            # netns instead and copies the interfaces from there into its own netstack.
-            config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"] if n["type"] != "network"]
+            if netns is None:  # --network=none: runsc makes its own empty netns
+                config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"]
+                                                 if n["type"] != "network"]
         p.config.write_text(json.dumps(config))
 
     def _write_hosts(self, p: SandboxPaths, hosts: dict[str, list[str]]) -> None:

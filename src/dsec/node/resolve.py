@@ -40,12 +40,6 @@ def resolve_spec(spec: SandboxSpec, settings: Settings, image: ImageInfo,
     if isolation not in isolations:
         raise InvalidArgument(f"isolation {isolation!r} is not available on this node (available: "
                               f"{', '.join(isolations)})", field="isolation")
-    if isolation == "gvisor" and spec.network is not None:
-        # runsc's own netstack refuses to start here (its root-netns check fails under this
-        # VM's init) and hostinet mode exits the sandbox's init; until that is solved,
-        # refuse instead of pretending.
-        raise InvalidArgument("network allow-lists are not supported with isolation='gvisor' on this "
-                              "node yet; use isolation='container' or network=None", field="network")
     if spec.cpu is not None and cpu > node_cpu * settings.overcommit_ratio:
         raise InvalidArgument(f"cpu={cpu} exceeds the node limit of {node_cpu:g} CPUs", field="cpu", limit=node_cpu)
     # Defaults are clamped to the node (a 2-core dev box still runs the default shape);

@@ -92,17 +92,19 @@ class OciRuntime:
         return [self.binary, "--root", str(self.state_root), *self.extra_global_args]
 
     async def run(self, sandbox_id: str, bundle: Path, listen_fd: int | None, log_path: Path,
-                  run_global_args: tuple[str, ...] = (), enter_netns: str | None = None) -> int:
+                  run_global_args: tuple[str, ...] = (), netstack_netns: str | None = None) -> int:
         """Create and start the container detached; return the host PID of its init.
 
         With ``listen_fd`` the exec agent's listening socket is handed to the sandbox's
         init as fd 3 (runc only: runsc has no --preserve-fds and uses ``runsc exec``).
+        ``netstack_netns``: runsc ``--network=sandbox`` over that netns (see
+        :func:`runsc_netstack_wrapper`).
         """
         self.state_root.mkdir(parents=True, exist_ok=True)
         pid_file = bundle / "init.pid"
         fds = ["--preserve-fds", "1"] if listen_fd is not None else []
-        enter = ["nsenter", f"--net={enter_netns}"] if enter_netns else []
-        argv = [*enter, *self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
+        wrap = runsc_netstack_wrapper(netstack_netns) if netstack_netns else []
+        argv = [*wrap, *self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
                 "--bundle", str(bundle), sandbox_id]
         res = await spawn(argv, log_path, {3: listen_fd} if listen_fd is not None else None)
         if res.returncode != 0:
@@ -161,6 +163,24 @@ class OciRuntime:
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
         return [*args, sandbox_id, *argv]
+
+
+# Debian's runsc 2022-12 decides "root network namespace" by whether
+# /proc/sys/net/core/rmem_default exists (runsc/sandbox/network.go, isRootNS), checked
+# after joining the sandbox's netns. Since Linux 6.x that sysctl exists in every netns, so
+# --network=sandbox always fails with "cannot run with network enabled in root network
+# namespace". The wrapper hides that sysctl directory from runsc only: a private (slave)
+# mount namespace in which an empty tmpfs covers the *slot netns's* /proc/sys/net/core
+# (mounted by a process inside that netns: /proc/sys/net dentries are per netns). runsc
+# itself stays in the node's netns, so its control socket (abstract, netns-scoped) is
+# reachable by later `runsc exec`; the sandbox joins the slot via the spec's netns path.
+_HIDE_SYSCTL = ('nsenter --net="$0" mount -t tmpfs -o size=4k,mode=555,ro dsec-netstack /proc/sys/net/core'
+                ' && exec "$@"')
+
+
+def runsc_netstack_wrapper(netns_path: str) -> list[str]:
+    """argv prefix that lets this runsc build its netstack from ``netns_path``."""
+    return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", _HIDE_SYSCTL, netns_path]
 
 
 def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str, state_base: Path,

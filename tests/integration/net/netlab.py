@@ -15,18 +15,24 @@ import asyncio
 import ipaddress
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dsec.config import Settings
+from dsec.config import Settings, load_settings
+from dsec.images import ImageStore
+from dsec.images.stock import ensure_stock
+from dsec.models import ExecRequest, SandboxSpec
 from dsec.net import NetAttachment, NetworkManager
+from dsec.node.agent import LocalNodeAgent
 
 SERVER = Path(__file__).with_name("servers.py")
 Exec = Callable[[NetAttachment, list[str], float], subprocess.CompletedProcess]
@@ -145,10 +151,109 @@ def netns_exec(att: NetAttachment, argv: list[str], timeout: float = 10.0) -> su
                           text=True, timeout=timeout)
 
 
-@pytest.fixture(params=["netns"])
-def sandbox_exec(request) -> Exec:
-    """How commands run "in the sandbox" (override to use real runc/runsc sandboxes)."""
-    return netns_exec
+# --- real sandboxes on the lab's network manager -------------------------------------
+# "netns": the slot's netns entered as root (fast, more power than a real sandbox has);
+# "container"/"gvisor": real runc/runsc sandboxes created by a SandboxManager whose
+# network manager is the lab's, so every policy test can run against both tiers.
+TIERS = ["netns", "container", pytest.param("gvisor", marks=pytest.mark.gvisor)]
+all_tiers = pytest.mark.parametrize("tier", TIERS, indirect=True)
+SANDBOX_SHAPE = {"cpu": 0.5, "memory": "256M", "disk": "64M"}
+
+
+@pytest.fixture(scope="package")
+def real_node(lab: Lab) -> Iterator[LocalNodeAgent]:
+    """A node agent (own home and run dir) whose sandboxes get their slots from lab.mgr."""
+    home = Path(tempfile.mkdtemp(prefix="dsec-net-node-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="dsn-", dir="/tmp"))  # short: socket paths
+    settings = load_settings(home=home, run_dir=run_dir, layer_compression="tar", net_enabled=False)
+    store = ImageStore(home / "images", settings)
+    ensure_stock(store, only=["busybox"], log=lambda _: None)
+    node = LocalNodeAgent(settings, images=store)
+    node.manager.network = lab.mgr  # not node.start(): its reconcile would drop lab slots
+    lab.call(node.manager.start())
+    try:
+        yield node
+    finally:
+        for sid in list(node.manager.live):
+            lab.call(node.manager.destroy(sid))
+        node.manager.close()
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def tier(request) -> str:
+    t = getattr(request, "param", "netns")
+    if t == "gvisor" and shutil.which("runsc") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI lacks runsc")
+        pytest.skip("needs runsc")
+    return t
+
+
+class Sandboxes:
+    """Makes "sandboxes" of one tier for a test and removes them afterwards."""
+
+    def __init__(self, lab: Lab, tier: str, node: LocalNodeAgent | None) -> None:
+        self.lab, self.tier, self.node = lab, tier, node
+        self.by_slot: dict[int, str] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    def __call__(self, allow: list[str]) -> tuple[str, NetAttachment]:
+        if self.node is None:
+            sid = f"t-{uuid.uuid4().hex[:8]}"
+            att = self.lab.call(self.lab.mgr.attach(sid, allow))
+        else:
+            shape = {**SANDBOX_SHAPE, "pids": 1024 if self.tier == "gvisor" else 128}
+            info = self.lab.call(self.node.create(SandboxSpec(image="busybox", isolation=self.tier,
+                                                              network=allow, **shape)))
+            sid, att = info.id, self.lab.mgr.attachment(info.id)
+            assert att is not None
+        self.by_slot[att.slot] = sid
+        return sid, att
+
+    def exec(self, att: NetAttachment, argv: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:
+        if self.node is None:
+            return netns_exec(att, argv, timeout)
+        res = self.lab.call(self.node.exec(self.by_slot[att.slot], ExecRequest(cmd=argv, timeout=timeout)))
+        return subprocess.CompletedProcess(argv, res.exit_code, res.stdout, res.stderr)
+
+    def serve_ok_once(self, att: NetAttachment, port: int) -> None:
+        """Start a one-shot 'ok' TCP server inside the sandbox on ``port``."""
+        cmd = f"busybox nc -l -p {port} -e echo ok"
+        if self.node is None:
+            self.procs.append(subprocess.Popen(["nsenter", f"--net={att.netns_path}", *cmd.split()]))
+        else:
+            r = self.exec(att, ["sh", "-c", f"{cmd} </dev/null >/dev/null 2>&1 &"], 10.0)
+            assert r.returncode == 0, r.stderr
+        time.sleep(0.3)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for sid in self.by_slot.values():
+            if self.node is None:
+                self.lab.call(self.lab.mgr.detach(sid))
+            else:
+                self.lab.call(self.node.destroy(sid))
+
+
+@pytest.fixture
+def sandboxes(lab: Lab, tier: str, request) -> Iterator[Sandboxes]:
+    node = request.getfixturevalue("real_node") if tier != "netns" else None
+    made = Sandboxes(lab, tier, node)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def sandbox_exec(sandboxes: Sandboxes) -> Exec:
+    """How commands run "in the sandbox" of the test's tier."""
+    return sandboxes.exec
 
 
 def tcp_probe(run: Exec, att: NetAttachment, host: str, port: int) -> bool:

@@ -8,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from netlab import Lab, tcp_probe
+from netlab import Lab, all_tiers, tcp_probe
 
 from dsec.errors import InvalidArgument
 
@@ -19,22 +19,7 @@ def _sid() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
-def sandboxes(lab: Lab):
-    """Attach sandboxes for one test; detach them all afterwards."""
-    made: list[str] = []
-
-    def make(allow: list[str]):
-        sid = _sid()
-        att = lab.call(lab.mgr.attach(sid, allow))
-        made.append(sid)
-        return sid, att
-
-    yield make
-    for sid in made:
-        lab.call(lab.mgr.detach(sid))
-
-
+@all_tiers
 def test_allowed_reachable_others_refused(lab: Lab, sandboxes, sandbox_exec) -> None:
     """Only the listed destination:port is reachable: the same host's other port and
     another CIDR are refused, and the refusals are recorded for the audit log."""
@@ -56,6 +41,7 @@ def test_cidr_and_no_port_entries(lab: Lab, sandboxes, sandbox_exec) -> None:
     assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)
 
 
+@all_tiers
 def test_host_services_refused_unless_listed(lab: Lab, sandboxes, sandbox_exec, host_server) -> None:
     """The host's own services (on the sandbox-facing gateway, on the host's other
     addresses, on 127.0.0.1) are refused, even with 0.0.0.0/0 allowed; an exact
@@ -75,22 +61,18 @@ def test_host_services_refused_unless_listed(lab: Lab, sandboxes, sandbox_exec, 
     assert any(e.target == "host" for e in lab.mgr.denied_events(sid2))
 
 
+@all_tiers
 def test_sandbox_to_sandbox_refused(lab: Lab, sandboxes, sandbox_exec) -> None:
     """No sandbox can open a connection to another, even if it lists its address."""
     _, victim = sandboxes([])
-    srv = subprocess.Popen(["nsenter", f"--net={victim.netns_path}", "busybox", "nc", "-l", "-p", "9000",
-                            "-e", "echo", "ok"])
-    try:
-        time.sleep(0.3)
-        _, att = sandboxes([f"{victim.address}:9000", f"{victim.gateway}"])
-        assert not tcp_probe(sandbox_exec, att, victim.address, 9000)
-        # the victim's server is really up: its own loopback reaches it
-        assert srv.poll() is None
-    finally:
-        srv.kill()
-        srv.wait()
+    sandboxes.serve_ok_once(victim, 9000)
+    _, att = sandboxes([f"{victim.address}:9000", f"{victim.gateway}"])
+    assert not tcp_probe(sandbox_exec, att, victim.address, 9000)
+    # The victim's one-shot server was up and untouched: its own loopback still gets it.
+    assert tcp_probe(sandbox_exec, victim, "127.0.0.1", 9000)
 
 
+@all_tiers
 def test_live_update_opens_and_closes(lab: Lab, sandboxes, sandbox_exec) -> None:
     """update() replaces the allow-list atomically on a running sandbox."""
     sid, att = sandboxes([f"{lab.a.addr}:8000"])
