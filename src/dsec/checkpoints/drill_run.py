@@ -82,6 +82,7 @@ class Injector:
         self.cfg, self.server, self.rng = cfg, server, rng
         self.host = DirHost(cfg.work / "sbx", {})
         self.lock = threading.Lock()
+        self.timers: list[threading.Timer] = []
 
     def inject(self, kind: str) -> bool:
         """Inject one fault; False if it had no target right now (not counted)."""
@@ -117,15 +118,19 @@ class Injector:
         return True
 
     def fill_disk(self) -> bool:
-        filler = self.cfg.work / "r2" / "fill.bin"
+        # The disk stays full for a while, but the injector does not wait for it: other
+        # faults (a server kill with a full disk) may land meanwhile, as in real life.
+        filler = self.cfg.work / "r2" / f"fill-{self.rng.getrandbits(32):08x}.bin"
         try:
             with open(filler, "wb") as fh:
                 while True:
                     fh.write(b"\0" * (1 << 20))
         except OSError:
             pass
-        time.sleep(self.rng.uniform(0.2, 1.0))
-        filler.unlink(missing_ok=True)
+        timer = threading.Timer(self.rng.uniform(0.2, 1.0), filler.unlink, kwargs={"missing_ok": True})
+        timer.daemon = True
+        timer.start()
+        self.timers.append(timer)
         return True
 
     def corrupt_replica(self) -> bool:
@@ -148,6 +153,12 @@ class Injector:
         self.server.stop(signal.SIGKILL)
         self.server.start(faults=f"blob.local.mid_write=exit@{self.rng.randint(1, 40)}")
         return True
+
+    def settle(self) -> None:
+        """Free every filled disk now (end of a round)."""
+        for t in self.timers:
+            t.join()
+        self.timers.clear()
 
     def heal(self) -> None:
         """Restart the server if it died on its own (an armed fault point fired)."""
@@ -176,6 +187,7 @@ def _round(cfg: DrillConfig, url: str, token: str, prefix: str, injector: Inject
     for t in threads:
         t.join()
     if injector is not None:
+        injector.settle()
         injector.heal()
     return runs
 
