@@ -52,7 +52,8 @@ class Settings(BaseSettings):
     api_shutdown_grace_s: float = Field(10.0, description="Graceful shutdown: wait this long for requests")
     api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
-    api_scheduler: bool = Field(False, description="Creates go through the control-plane scheduler driver")
+    api_scheduler: bool = Field(True, description="Creates go through the control-plane scheduler driver")
+    api_create_wait_s: float = Field(30.0, description="A create not placed within this is withdrawn: 429 + Retry-After")
     api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
     client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")
     api_loop_lag_probe_s: float = Field(0.25, description="Event-loop lag is sampled this often (metric)")
@@ -60,9 +61,9 @@ class Settings(BaseSettings):
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 
     # --- sandbox defaults (SPEC §1) ----------------------------------------------
-    default_cpu: float = Field(4.0, description="CPUs per sandbox")
-    default_memory: str = Field("8G", description="Memory per sandbox")
-    default_disk: str = Field("20G", description="Writable-layer quota per sandbox")
+    default_cpu: float = Field(1.0, description="CPU cap (cgroup limit) per sandbox")
+    default_memory: str = Field("2G", description="Memory per sandbox")
+    default_disk: str = Field("10G", description="Writable-layer quota per sandbox")
     default_timeout_s: float = Field(1800.0, description="Wall timeout/TTL per sandbox")
     default_pids: int = Field(1024, description="Max processes per sandbox")
     default_nofile: int = Field(4096, description="RLIMIT_NOFILE in sandboxes (<= host hard limit)")
@@ -109,6 +110,8 @@ class Settings(BaseSettings):
     overcommit_predict_factor: float = Field(1.5, description="Predicted load = mean x this")
     overcommit_threshold: float = Field(0.85, description="Admit nothing above this predicted load")
     overcommit_ratio: float = Field(1.3, description="Max admitted / capacity while below threshold")
+    node_sync_interval_s: float = Field(5.0, description="How often the scheduler re-lists its nodes' sandboxes")
+    cpu_request_ratio: float = Field(0.25, description="CPU reserved per sandbox = its CPU cap x this")
     warm_pool_factor: float = Field(1.2, description="Pool target = peak concurrency x this")
     warm_pool_window_s: float = Field(600.0, description="Window for observed peak concurrency")
     warm_pool_max_idle_s: float = Field(1800.0, description="Idle pool members expire after this")
@@ -176,6 +179,11 @@ class Settings(BaseSettings):
     checkpoint_max_context_bytes: int = Field(64 * 1024 * 1024, description="Largest agent context accepted per save")
     checkpoint_inline_max_bytes: int = Field(16 * 1024, description="Checkpoint parts up to this size live inside the unit metadata")
     checkpoint_inline_budget_bytes: int = Field(256 * 1024, description="Max inline bytes per unit; larger go to blobs")
+    # --- checkpoints: journal, background squash, fencing (owner: state recovery) ------
+    checkpoint_journal: bool = Field(True, description="Keep a local per-episode trajectory journal, appended off the exec path")
+    checkpoint_journal_dir: Path | None = Field(None, description="Trajectory journals (default HOME/journals)")
+    checkpoint_squash_background: bool = Field(True, description="Squash the layer chain into a full layer off the step path")
+    checkpoint_max_chain: int = Field(60, description="Chain length at which a squash runs inline (background one lagging)")
 
     # --- in-sandbox exec agent (owner: exec agent; docs/exec-agent.md) -----------------
     agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")

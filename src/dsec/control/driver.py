@@ -24,9 +24,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from dsec.config import Settings, parse_bytes
+from dsec.control.backpressure import retry_after_s
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import PRIORITIES, Placement, Request, Ticket
-from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, SandboxFailure, Timeout
+from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
 from dsec.models import SandboxInfo, SandboxSpec
 from dsec.node.api import NodeAgent
 
@@ -41,13 +42,26 @@ _PERMANENT = (InvalidArgument, ImageError, Forbidden)
 
 def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings, *,
                     owner: str | None = None, task_type: str | None = None) -> Request:
-    """Validated wire spec -> the scheduler's plain request (defaults from Settings)."""
+    """Validated wire spec -> the scheduler's plain request (defaults from Settings).
+
+    The sandbox's ``cpu`` is its cgroup cap; the scheduler reserves ``cpu x
+    cpu_request_ratio`` of it (Kubernetes' request vs limit): agent sandboxes spend most of
+    their life waiting for the model, and the usage-based overcommit guard stops admitting
+    when measured load says the node is really busy."""
     mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(spec.memory or s.default_memory)
     disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
-    return Request(request_id, tenant, spec.image, spec.cpu or s.default_cpu, mem, disk,
+    limit = spec.cpu or s.default_cpu
+    return Request(request_id, tenant, spec.image, cpu_request(limit, s), mem, disk,
                    PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
                    spec.network is not None, spec.timeout or s.default_timeout_s, dict(spec.labels),
-                   task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec)
+                   task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec,
+                   cpu_limit=limit)
+
+
+def cpu_request(limit: float, s: Settings) -> float:
+    """The CPU share reserved for a sandbox capped at ``limit`` CPUs (rounded to milli-CPUs
+    so equal shapes stay equal)."""
+    return max(0.001, round(limit * s.cpu_request_ratio, 3))
 
 
 class SchedulerDriver:
@@ -76,6 +90,7 @@ class SchedulerDriver:
             cap = agent.capacity()
             self.sched.upsert_node(node_id, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
                                    isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels)
+            await self._adopt(node_id, agent)
         self._loop_task = asyncio.create_task(self._loop(), name="dsec-scheduler-driver")
 
     async def close(self) -> None:
@@ -89,8 +104,36 @@ class SchedulerDriver:
         for rid, fut in list(self._waiters.items()):
             if not fut.done():
                 fut.set_exception(SandboxFailure(f"request {rid!r}: scheduler shut down before it was placed"))
+                fut.exception()  # a waiter may be gone already: no "never retrieved" noise
         self._waiters.clear()
         await self._drain_pools()
+
+    async def _adopt(self, node_id: str, agent: NodeAgent) -> None:
+        """Account the sandboxes a node already runs (a restart adopted them); pool members
+        left by a crash are destroyed, since pools are rebuilt from demand."""
+        now = self.clock()
+        for info in await agent.list():
+            if info.labels.get(POOL_LABEL) == "1" and info.state.value == "ready":
+                await agent.destroy(info.id)
+                continue
+            left = None
+            if info.started_at is not None:
+                left = max(0.0, info.timeout - (time.time() - info.started_at))
+            self.sched.adopt(node_id, info.id, info.tenant or "", cpu_request(info.cpu, self.s), info.memory,
+                             info.disk, now, ttl_left=left, labels=info.labels)
+
+    async def _sync_nodes(self) -> None:
+        """Release what the nodes dropped on their own (TTL, dead init, a kill that bypassed us)."""
+        for node_id, agent in self.agents.items():
+            listed_at = self.clock()
+            try:
+                live = {i.id for i in await agent.list()}
+            except Exception:  # noqa: BLE001 - a node that cannot answer is judged next time
+                log.exception("listing sandboxes on %s failed", node_id)
+                continue
+            for r in self.sched.sync_node(node_id, live, listed_at):
+                log.info("sandbox %s left node %s outside the scheduler; capacity released", r.sandbox_id, node_id)
+        self._wake.set()
 
     async def _drain_pools(self) -> None:
         """Destroy unclaimed warm-pool members: nobody owns them, and a restart rebuilds
@@ -155,8 +198,9 @@ class SchedulerDriver:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
-            raise Timeout(f"request {request_id!r} not placed within {timeout}s; it stays queued "
-                          f"(position {self.sched.ticket(request_id).position})") from None
+            t = self.sched.tickets.get(request_id)
+            raise Timeout(f"request {request_id!r} not placed within {timeout}s "
+                          f"(state {t.state if t else 'unknown'}, position {t.position if t else 0})") from None
 
     async def create(self, spec: SandboxSpec, sandbox_id: str, tenant: str) -> SandboxInfo:
         """The API service's ``Creator`` seam: submit and wait. Idempotent by request id.
@@ -166,7 +210,32 @@ class SchedulerDriver:
         """
         rid = f"{tenant}/{spec.request_id}" if spec.request_id else sandbox_id
         self.submit(spec, tenant, rid, sandbox_id=sandbox_id)
+        try:
+            return await self.wait(rid, self.s.api_create_wait_s)
+        except Timeout:
+            if not self._withdraw(rid):
+                raise
+        # Placed meanwhile: the creation is under way and bounded by the node's own timeouts.
         return await self.wait(rid, self.s.client_timeout_s)
+
+    def _withdraw(self, request_id: str) -> bool:
+        """A create that found no room within ``api_create_wait_s``: take it out of the queue
+        and answer 429, so no HTTP call hangs and nothing is created after the client gave
+        up. Returns False when it was placed meanwhile (then it is waited for)."""
+        t = self.sched.tickets.get(request_id)
+        position = t.position if t is not None else 0
+        if t is None or t.state != "queued" or not self.sched.cancel(request_id):
+            return False
+        self._sids.pop(request_id, None)
+        ra = retry_after_s(self.sched.depth(), self.s, self.sched.drain_rate)
+        err = Overloaded(f"request {request_id!r} found no node with room within {self.s.api_create_wait_s:g}s "
+                         f"(queue position {position}); it was withdrawn: retry after {ra:g}s, or free "
+                         "capacity (kill idle sandboxes, ask for less cpu/memory)", retry_after=ra)
+        fut = self._waiters.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
+            fut.exception()  # every waiter re-raises it; do not warn "never retrieved"
+        raise err
 
     async def release(self, sandbox_id: str) -> None:
         """Destroy a sandbox the user is done with and free its capacity."""
@@ -185,8 +254,12 @@ class SchedulerDriver:
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
         next_reap = next_usage = 0.0
+        next_sync = self.clock() + self.s.node_sync_interval_s
         while not self._stopping:
             now = self.clock()
+            if now >= next_sync:
+                next_sync = now + self.s.node_sync_interval_s
+                self._spawn(self._sync_nodes())
             if self.usage_probe is not None and now >= next_usage:
                 next_usage = now + self.s.overcommit_window_s / 10
                 for node_id in self.agents:
@@ -195,6 +268,7 @@ class SchedulerDriver:
                 next_reap = now + self.s.reaper_interval_s
                 for d in self.sched.reap(now):
                     self._spawn(self._destroy(d.sandbox_id, f"reaped: {d.reason}"))
+                self._settle_orphans()
             for p in self.sched.next_batch(now):
                 self._spawn(self._execute(p))
             self._wake.clear()
@@ -204,6 +278,32 @@ class SchedulerDriver:
                 pass
             # Gather requests arriving within one window into the next batch.
             await asyncio.sleep(self.s.batch_window_s if len(self.sched.queues) else 0)
+
+    def _settle_orphans(self) -> None:
+        """Safety net: a waiter whose request already finished (or was forgotten) without
+        being resolved would hang its HTTP call; settle it from the ticket."""
+        for rid, fut in list(self._waiters.items()):
+            t = self.sched.tickets.get(rid)
+            if t is not None and t.state in ("queued", "placed"):
+                continue
+            if t is not None and t.state == "created" and t.sandbox_id and t.node_id:
+                self._spawn(self._resolve_from_node(rid, t.node_id, t.sandbox_id))
+                continue
+            log.error("request %s had an unresolved waiter in state %s", rid, t.state if t else "unknown")
+            self._waiters.pop(rid, None)
+            self._sids.pop(rid, None)
+            if not fut.done():
+                fut.set_exception(SandboxFailure(f"request {rid!r} failed: {t.error if t else 'lost'}; retry it"))
+
+    async def _resolve_from_node(self, request_id: str, node_id: str, sandbox_id: str) -> None:
+        try:
+            info = await self.agents[node_id].get(sandbox_id)
+        except Exception as e:  # noqa: BLE001 - the waiter must learn the outcome either way
+            fut = self._waiters.pop(request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(SandboxFailure(f"request {request_id!r}: its sandbox {sandbox_id} is gone: {e}"))
+            return
+        self._resolve(request_id, info)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -236,7 +336,13 @@ class SchedulerDriver:
             req = p.request
             assert req is not None
             if p.kind == "warm":
-                info = await self._claim(agent, p.sandbox_id, req)  # type: ignore[arg-type]
+                try:
+                    info = await self._claim(agent, p.sandbox_id, req)  # type: ignore[arg-type]
+                except Exception as e:  # noqa: BLE001 - a broken member must not fail the request
+                    log.warning("claiming pool member %s failed (%s): placing the request anew", p.sandbox_id, e)
+                    self._spawn(self._destroy(p.sandbox_id, "pool member failed its claim"))  # type: ignore[arg-type]
+                    self._requeue(req)
+                    return
                 self._resolve(req.request_id, info)
                 return
             for sid in p.evict:
@@ -263,7 +369,7 @@ class SchedulerDriver:
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
-            spec = SandboxSpec(image=req.image, cpu=req.cpu, memory=req.memory, disk=req.disk,
+            spec = SandboxSpec(image=req.image, cpu=req.cpu_limit or req.cpu, memory=req.memory, disk=req.disk,
                                isolation=req.isolation,  # type: ignore[arg-type]
                                network=[] if req.network else None, labels={POOL_LABEL: "1"},
                                timeout=7 * 24 * 3600)
@@ -283,6 +389,20 @@ class SchedulerDriver:
         self.sched.on_created(req.request_id, info.id, now)
         if p.kind != "pool":
             self._resolve(req.request_id, info)
+
+    def _requeue(self, req: Request) -> None:
+        """Submit again a request whose warm hand-over failed (its waiter keeps waiting)."""
+        self.sched.forget(req.request_id)
+        req.excluded.clear()
+        req.cold = True
+        try:
+            self.sched.submit(req, self.clock())
+        except Exception as e:  # noqa: BLE001 - e.g. overloaded now: tell the waiter
+            self._sids.pop(req.request_id, None)
+            fut = self._waiters.pop(req.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
+        self._wake.set()
 
     def _failed(self, request_id: str, error: str, retriable: bool) -> None:
         t = self.sched.on_failed(request_id, self.clock(), error, retriable=retriable)

@@ -23,7 +23,7 @@ from dsec.control.preemption import select_victims
 from dsec.control.retry import RetryBudget, should_retry
 from dsec.control.rightsize import RightSizer
 from dsec.control.tenants import Quota, TenantQueues
-from dsec.control.types import HIGH, LOW, Image, Node, Placement, Request, Running, Ticket
+from dsec.control.types import HIGH, LOW, MEDIUM, Image, Node, Placement, Request, Running, Ticket
 from dsec.errors import InvalidArgument, NotFound, Overloaded
 
 KNOWN_TIERS = frozenset({"container", "gvisor"})
@@ -216,11 +216,26 @@ class Scheduler:
         return t
 
     def cancel(self, request_id: str) -> bool:
-        req = self.pending.pop(request_id, None)
-        if req is None or not self.queues.remove(req):
+        """Withdraw a request still waiting (queued, or delayed before a retry). Its id is
+        forgotten, so the client may submit it again later; False once it was placed."""
+        req = self.pending.get(request_id)
+        if req is None:
             return False
-        self._finish(request_id, "failed", error="cancelled", now=req.submitted_at)
+        if not self.queues.remove(req):
+            at = next((i for i, (_, _, r) in enumerate(self.delayed) if r is req), None)
+            if at is None:
+                return False
+            self.delayed.pop(at)
+            heapq.heapify(self.delayed)
+        del self.pending[request_id]
+        self.forget(request_id)
+        self.stats["cancelled"] = self.stats.get("cancelled", 0) + 1
         return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request id's ticket so the id may be submitted afresh."""
+        self.tickets.pop(request_id, None)
+        self._finished_at.pop(request_id, None)
 
     def parallel_limit(self) -> int:
         """Creations one node may run at once (raised while backpressure is on)."""
@@ -263,7 +278,7 @@ class Scheduler:
     def _place(self, req: Request, now: float) -> Placement | None:
         image = self.images[req.image]
         pools = self.pools
-        if pools is not None:
+        if pools is not None and not req.cold:
             taken = pools.take(req)
             if taken is not None:
                 self.stats["warm_hits"] += 1
@@ -339,7 +354,7 @@ class Scheduler:
             new = Request(f"{old.request_id}~resume{self._seq}", old.tenant, old.image, old.cpu, old.memory,
                           old.disk, old.priority, old.isolation, old.gpu, old.network, old.ttl, old.labels,
                           old.selector, old.task_type, old.owner, submitted_at=now, resume_of=r.sandbox_id,
-                          payload=old.payload)
+                          payload=old.payload, cpu_limit=old.cpu_limit)
             self.queues.push(new)
             self.pending[new.request_id] = new
             self.tickets[new.request_id] = Ticket(new.request_id, "queued")
@@ -393,6 +408,31 @@ class Scheduler:
         t = self.tickets[request_id]
         t.state, t.node_id = "queued", None
         return t
+
+    def adopt(self, node_id: str, sandbox_id: str, tenant: str, cpu: float, memory: int, disk: int,
+              now: float, *, ttl_left: float | None = None, labels: dict[str, str] | None = None) -> Running:
+        """Account a sandbox that already lives on a node (found at start, e.g. after a server
+        restart), so capacity and quotas stay true. Idempotent."""
+        r = self.running.get(sandbox_id)
+        if r is not None:
+            return r
+        r = Running(sandbox_id, node_id, tenant, MEDIUM, cpu, memory, disk, None, now, labels=dict(labels or {}),
+                    expires_at=None if ttl_left is None else now + ttl_left)
+        self.running[sandbox_id] = r
+        self.residents[node_id][sandbox_id] = r
+        self._alloc(self._node(node_id), cpu, memory, disk, None, 1)
+        self.queues.charge(tenant, cpu, memory, 1)
+        return r
+
+    def sync_node(self, node_id: str, live: set[str], listed_at: float) -> list[Running]:
+        """Forget sandboxes the node no longer has (reaped or killed by the node itself):
+        otherwise their allocation would hold capacity forever. Only entries older than the
+        listing are judged, so a creation finishing meanwhile is never dropped."""
+        gone = [r for sid, r in self.residents[node_id].items()
+                if sid not in live and r.started_at < listed_at]
+        for r in gone:
+            self.on_released(r.sandbox_id, listed_at)
+        return gone
 
     def on_released(self, sandbox_id: str, now: float, cpu_peak: float | None = None,
                     memory_peak: int | None = None) -> Running | None:

@@ -67,6 +67,10 @@ class Request:
     resume_of: str | None = None
     abnormal: bool = False
     payload: Any = None  # the driver keeps the original SandboxSpec here
+    # The sandbox's CPU cap (cgroup limit) when it differs from ``cpu``, the share the
+    # scheduler reserves: agents idle while the model thinks, so requests < limits.
+    cpu_limit: float = 0.0
+    cold: bool = False  # a warm hand-over failed: create this one fresh
 
     @property
     def shape(self) -> Shape:

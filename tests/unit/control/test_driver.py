@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from dsec.control.driver import POOL_LABEL, SchedulerDriver
+from dsec.control.driver import POOL_LABEL, SchedulerDriver, cpu_request
 from dsec.control.scheduler import Scheduler
-from dsec.errors import SandboxFailure, TransientError
+from dsec.errors import Overloaded, SandboxFailure, TransientError
 from dsec.models import SandboxInfo, SandboxSpec, SandboxState
 from dsec.node.api import NodeCapacity
 
@@ -60,6 +60,9 @@ class MemAgent:
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self.sandboxes[sandbox_id]
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return [i for i in self.sandboxes.values() if all(i.labels.get(k) == v for k, v in (labels or {}).items())]
 
 
 def spec(**kw: object) -> SandboxSpec:
@@ -127,13 +130,79 @@ async def test_warm_pool_hand_over_and_reaper() -> None:
 
 
 async def test_release_frees_capacity() -> None:
-    """release() destroys on the node and returns the allocation."""
+    """release() destroys on the node and returns the allocation (the CPU request, a
+    fraction of the sandbox's CPU cap)."""
     a = MemAgent("n0")
     d = await _driver([a])
     try:
         info = await d.create(spec(), "sb-1", "t1")
-        assert d.sched.cluster.nodes["n0"].used_cpu == 1
+        assert d.sched.cluster.nodes["n0"].used_cpu == cpu_request(1, d.s) < 1
         await d.release(info.id)
         assert a.destroyed == ["sb-1"] and d.sched.cluster.nodes["n0"].used_cpu == 0
+    finally:
+        await d.close()
+
+
+async def test_create_without_room_is_withdrawn_with_429() -> None:
+    """A create that finds no room within api_create_wait_s answers Overloaded (429 with
+    Retry-After), is taken out of the queue, and is never created later; the same request
+    id may be submitted again afterwards."""
+    a = MemAgent("n0")
+    d = await _driver([a], api_create_wait_s=0.2, overcommit_ratio=1.0)
+    try:
+        big = SandboxSpec(image="busybox", cpu=8 / d.s.cpu_request_ratio, memory="1G", disk="1G")
+        first = await d.create(big, "sb-1", "t1")
+        with pytest.raises(Overloaded, match="withdrawn") as e:
+            await d.create(big.model_copy(update={"request_id": "again"}), "sb-2", "t1")
+        assert e.value.details.get("retry_after", 0) > 0 and d.sched.depth() == 0
+        await d.release(first.id)
+        await asyncio.sleep(0.1)
+        assert set(a.sandboxes) == set()
+        second = await d.create(big.model_copy(update={"request_id": "again"}), "sb-3", "t1")
+        assert second.id == "sb-3"
+    finally:
+        await d.close()
+
+
+async def test_failed_warm_claim_places_the_request_anew() -> None:
+    """A pool member that fails its hand-over is destroyed and the request is placed again,
+    so the caller still gets a sandbox instead of a hung call."""
+    a = MemAgent("n0")
+
+    async def broken_claim(sandbox_id: str, spec: SandboxSpec, tenant: str | None) -> SandboxInfo:
+        raise SandboxFailure(f"{sandbox_id}: init died")
+
+    a.claim = broken_claim  # type: ignore[attr-defined]
+    d = await _driver([a], pools=True)
+    try:
+        await d.create(spec(), "sb-1", "t1")
+        for _ in range(100):
+            if any(i.labels.get(POOL_LABEL) for i in a.sandboxes.values()):
+                break
+            await asyncio.sleep(0.02)
+        member = next(i.id for i in a.sandboxes.values() if i.labels.get(POOL_LABEL))
+        got = await asyncio.wait_for(d.create(spec(), "sb-2", "t1"), 5)
+        assert got.id == "sb-2" and member in a.destroyed
+    finally:
+        await d.close()
+
+
+async def test_start_adopts_existing_and_sync_releases_vanished() -> None:
+    """At start the driver accounts sandboxes the node already runs (capacity stays true
+    after a restart) and destroys leftover pool members; sandboxes the node dropped on its
+    own are released from the scheduler at the next sync."""
+    a = MemAgent("n0")
+    kept = await a.create(SandboxSpec(image="busybox", cpu=2, memory="1G", disk="1G"), tenant="t1")
+    await a.create(SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G", labels={POOL_LABEL: "1"}))
+    d = await _driver([a], node_sync_interval_s=0.05)
+    try:
+        node = d.sched.cluster.nodes["n0"]
+        assert set(a.sandboxes) == {kept.id} and node.used_cpu == cpu_request(2, d.s)
+        await a.destroy(kept.id)  # behind the scheduler's back (e.g. the node's TTL reaper)
+        for _ in range(100):
+            if node.used_cpu == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert node.used_cpu == 0 and kept.id not in d.sched.running
     finally:
         await d.close()

@@ -158,7 +158,8 @@ def test_reaper_ttl_and_silent_owner() -> None:
 
 
 def test_ticket_position_eta_cancel_and_unknown() -> None:
-    """Queued tickets carry a position; cancel removes; unknown ids are NotFound."""
+    """Queued tickets carry a position; cancel withdraws and forgets the id (so it can be
+    submitted again), refuses once placed; unknown ids are NotFound."""
     s = sched(nodes=1, cpu=2, overcommit_ratio=1.0)
     s.submit(req("a", cpu=2), 0.0)
     place_all(s, 0.05)
@@ -166,7 +167,11 @@ def test_ticket_position_eta_cancel_and_unknown() -> None:
     s.submit(req("c", cpu=2), 0.1)
     s.next_batch(0.15)
     assert s.ticket("c").position == 1
-    assert s.cancel("c") and s.ticket("c").state == "failed"
+    assert s.cancel("c")
+    with pytest.raises(NotFound):
+        s.ticket("c")
+    assert s.depth() == 1 and not s.cancel("a")
+    assert s.submit(req("c", cpu=2), 0.2).state == "queued"
     with pytest.raises(NotFound):
         s.ticket("zzz")
 

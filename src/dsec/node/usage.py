@@ -1,0 +1,94 @@
+"""Node CPU use, sampled from /proc/stat, for the scheduler's usage-based overcommit guard."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CpuTimes = tuple[int, int]  # (total jiffies, idle jiffies incl. iowait)
+
+
+def parse_proc_stat(text: str) -> CpuTimes:
+    """The aggregate ``cpu`` line of /proc/stat -> (total, idle)."""
+    for line in text.splitlines():
+        if line.startswith("cpu "):
+            fields = [int(x) for x in line.split()[1:]]
+            # user nice system idle iowait irq softirq steal [guest guest_nice: already in user]
+            total = sum(fields[:8])
+            return total, fields[3] + (fields[4] if len(fields) > 4 else 0)
+    raise ValueError("/proc/stat has no aggregate 'cpu' line")
+
+
+def busy_fraction(before: CpuTimes, after: CpuTimes) -> float:
+    """Fraction of all CPUs busy between two samples (0 when no time passed)."""
+    total = after[0] - before[0]
+    if total <= 0:
+        return 0.0
+    idle = after[1] - before[1]
+    return min(1.0, max(0.0, 1.0 - idle / total))
+
+
+class CpuUsageProbe:
+    """Callable ``node_id -> busy fraction since the previous call`` for the local node."""
+
+    def __init__(self, stat_path: Path = Path("/proc/stat")) -> None:
+        self.path = stat_path
+        self._last = parse_proc_stat(self.path.read_text())
+
+    def __call__(self, _node_id: str) -> float:
+        now = parse_proc_stat(self.path.read_text())
+        frac = busy_fraction(self._last, now)
+        self._last = now
+        return frac
+
+
+def cgroup_busy_fraction(used_ns: int, wall_s: float, cpus: float) -> float:
+    """CPU time a cgroup used over a wall interval, as a fraction of ``cpus`` CPUs."""
+    if wall_s <= 0 or cpus <= 0:
+        return 0.0
+    return min(1.0, max(0.0, used_ns / 1e9 / (wall_s * cpus)))
+
+
+def read_cgroup_cpu_ns(parent: str, root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Total CPU time (ns) used by every cgroup under ``parent`` (v1 cpuacct or v2 cpu.stat);
+    None when neither exists (then the node-wide probe is used)."""
+    v1 = root / "cpuacct" / parent / "cpuacct.usage"
+    if v1.is_file():
+        return int(v1.read_text())
+    v2 = root / parent / "cpu.stat"
+    if v2.is_file():
+        for line in v2.read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) * 1000
+    return None
+
+
+class SandboxCpuProbe:
+    """Callable ``node_id -> fraction of the node's CPUs the sandboxes used since the last
+    call``. The overcommit guard is about what sandboxes really use against what they
+    reserved, so load outside them (the host's own jobs) does not stop admissions."""
+
+    def __init__(self, parent: str, cpus: float, root: Path = Path("/sys/fs/cgroup"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.parent, self.cpus, self.root, self.clock = parent, cpus, root, clock
+        first = read_cgroup_cpu_ns(parent, root)
+        if first is None:
+            raise FileNotFoundError(f"no CPU accounting for cgroup {parent!r} under {root}")
+        self._last = (self.clock(), first)
+
+    def __call__(self, _node_id: str) -> float:
+        now, used = self.clock(), read_cgroup_cpu_ns(self.parent, self.root)
+        if used is None:  # the parent cgroup was removed: nothing runs in it
+            used = self._last[1]
+        frac = cgroup_busy_fraction(used - self._last[1], now - self._last[0], self.cpus)
+        self._last = (now, used)
+        return frac
+
+
+def local_usage_probe(parent: str, cpus: float) -> Callable[[str], float]:
+    """The sandboxes' own CPU use when cgroup accounting is readable, else node-wide use."""
+    try:
+        return SandboxCpuProbe(parent, cpus)
+    except (OSError, ValueError):
+        return CpuUsageProbe()
