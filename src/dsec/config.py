@@ -167,6 +167,9 @@ class Settings(BaseSettings):
     net_denied_log_rate: int = Field(20, description="Denied packets logged per second per sandbox")
     net_nflog_group: int | None = Field(None, description="NFLOG group for denied attempts (default: per runtime dir)")
     net_enable_forwarding: bool = Field(True, description="Set net.ipv4.ip_forward=1 at start (needed for egress)")
+    net_denied_audit_distinct: int = Field(50, description="Denied destinations itemized per audit log; "
+                                                            "more are only counted")
+    net_denied_audit_poll_s: float = Field(2.0, description="How often denied attempts are copied into audit logs")
 
     # --- checkpoints (SPEC §4) ------------------------------------------------------
     checkpoint_roots: list[Path] = Field(default_factory=list, description="Replica roots (default HOME/blobs)")

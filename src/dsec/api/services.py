@@ -51,6 +51,7 @@ class Services:
               creator: Creator | None = None) -> Services:
         metrics = Metrics()
         audit = AuditLog(state, metrics, settings.api_audit_flush_s, settings.api_audit_max_chars)
+        audit.watch_network(node, settings.net_denied_audit_poll_s, settings.net_denied_audit_distinct)
         if images is None:
             images = getattr(node, "images", None)
         check = None

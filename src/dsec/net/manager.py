@@ -43,6 +43,9 @@ class NetworkManager:
         self._attachments: dict[str, NetAttachment] = {}
         self._events: dict[str, collections.deque[DeniedAttempt]] = {}
         self._cursor = 0
+        # Microseconds at start, +1 per attempt: keeps increasing across node restarts, so
+        # a reader resuming with denied_events(since_seq=...) never skips new attempts.
+        self._seq = time.time_ns() // 1000
         self._nflog: NflogSocket | None = None
         self._fill_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -151,11 +154,18 @@ class NetworkManager:
     async def reconcile(self, live_sandbox_ids: set[str]) -> int:
         return await self._reconcile(set(live_sandbox_ids))
 
-    def denied_events(self, sandbox_id: str) -> list[DeniedAttempt]:
-        """Denied attempts recorded so far (newest last, at most net_denied_log_max).
-        Read them before ``detach``: detach forgets them."""
+    def denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
+        """Denied attempts recorded so far with ``seq > since_seq`` (oldest first, at most
+        net_denied_log_max). Read them before ``detach``: detach forgets them."""
         self._on_nflog()
-        return list(self._events.get(sandbox_id, ()))
+        events = self._events.get(sandbox_id, ())
+        out: list[DeniedAttempt] = []
+        for e in reversed(events):  # newest first: stop at the reader's resume point
+            if e.seq <= since_seq:
+                break
+            out.append(e)
+        out.reverse()
+        return out
 
     def attachment(self, sandbox_id: str) -> NetAttachment | None:
         return self._attachments.get(sandbox_id)
@@ -254,8 +264,10 @@ class NetworkManager:
             if sid is None or parsed is None or sid not in self._events:
                 continue
             dst, proto, port = parsed
+            self._seq += 1
             self._events[sid].append(DeniedAttempt(time=time.time(), destination=dst, protocol=proto,
-                                                   port=port, target="host" if where == "i" else "remote"))
+                                                   port=port, target="host" if where == "i" else "remote",
+                                                   seq=self._seq))
 
 
 def _is_ip_or_cidr(text: str) -> bool:

@@ -30,3 +30,4 @@ class DeniedAttempt(BaseModel):
     protocol: str = Field(description="tcp, udp, icmp or the IP protocol number")
     port: int | None = None
     target: Literal["remote", "host"] = Field(description="host = one of the node's own addresses")
+    seq: int = Field(0, description="Increases with every attempt the node records (resume point for readers)")

@@ -182,9 +182,9 @@ class LocalNodeAgent:
         self.manager.records.put(rec)
         return self.manager.info(rec)
 
-    def denied_network_attempts(self, sandbox_id: str) -> list[Any]:
+    def denied_network_attempts(self, sandbox_id: str, since_seq: int = 0) -> list[Any]:
         net = self.manager.network
-        return net.denied_events(sandbox_id) if net is not None else []
+        return net.denied_events(sandbox_id, since_seq) if net is not None else []
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
         return await self.manager.claim(sandbox_id, spec, tenant)
