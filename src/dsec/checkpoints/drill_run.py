@@ -180,8 +180,10 @@ def _round(cfg: DrillConfig, url: str, token: str, prefix: str, injector: Inject
             continue
         time.sleep(rng.expovariate(1 / cfg.fault_interval_s))
         injector.heal()
-        if sum(res.faults.values()) < cfg.faults:
-            kind = rng.choice(cfg.kinds)
+        n = sum(res.faults.values())
+        if n < cfg.faults:
+            # Every kind once first (a short drill still covers them all), then at random.
+            kind = cfg.kinds[n] if n < len(cfg.kinds) else rng.choice(cfg.kinds)
             if injector.inject(kind):
                 res.faults[kind] += 1
     for t in threads:
