@@ -33,7 +33,7 @@ from dsec import errors
 from dsec.blobs import BlobStore, sha256_hex
 from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.fsdiff import image_lookup
-from dsec.checkpoints.fsstate import FsTracker, materialize
+from dsec.checkpoints.fsstate import FsTracker, materialize, should_squash, squash_layers
 from dsec.checkpoints.host import EpisodeHost, ImageView
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.checkpoints.unit import (
@@ -72,6 +72,9 @@ class _Live:
     inline: dict[str, str] = field(default_factory=dict)  # inline parts of the last unit
     unit_keys: list[tuple[int, str]] | None = None  # (seq, key) of stored units; None = list the store
     dirty: bool = False  # sandbox fs is ahead of the last unit: replace before the next step
+    squashing: asyncio.Future | None = None  # background squash of the layer chain, if running
+    journal: traj.JournalWriter | None = None  # local trajectory journal (appended off the exec path)
+    traj_bytes: bytes = b""  # every committed record's zstd frame, in order (= the whole trajectory)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -87,10 +90,13 @@ class EpisodeEngine:
         self._live: dict[str, _Live] = {}
         self.counters: dict[str, float] = {"units_written": 0, "unit_failures": 0, "unit_seconds_total": 0.0,
                                            "restores": 0, "restore_fallbacks": 0, "restore_seconds_total": 0.0,
-                                           "steps_replayed": 0, "steps_live": 0, "bytes_checkpointed": 0}
+                                           "steps_replayed": 0, "steps_live": 0, "bytes_checkpointed": 0,
+                                           "squashes": 0, "squash_failures": 0, "squash_seconds_total": 0.0}
         # Old units are deleted off the step's critical path; a crash before the delete
         # only leaves an extra old (complete) unit for the next retention pass.
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retention")
+        # Full checkpoints are squashed here, off the step path, from already-stored parts.
+        self._squasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-squash")
         self._open_locks: dict[str, asyncio.Lock] = {}
 
     # --- open / restore ---------------------------------------------------------------
@@ -130,28 +136,94 @@ class EpisodeEngine:
 
     async def _create(self, episode_id: str, spec: SandboxSpec) -> EpisodeInfo:
         view = await self.host.image_view(spec)
-        tracker = FsTracker(in_image=image_lookup(view.lower_dirs), full_every=self.settings.checkpoint_full_every,
-                            level=self.settings.checkpoint_zstd_level)
+        tracker = self._tune(FsTracker(in_image=image_lookup(view.lower_dirs),
+                                       full_every=self.settings.checkpoint_full_every,
+                                       level=self.settings.checkpoint_zstd_level))
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker)
         live.sandbox_id = await self._new_sandbox(episode_id, spec, [])
         try:
+            live.journal = await self._open_journal(episode_id, b"")
             async with live.lock:
                 await self._write_unit(live, "open")
         except BaseException:
             await self._drop_sandbox(episode_id, live.sandbox_id)
+            await self._close_journal(live)
             raise
         self._live[episode_id] = live
         return self._info(live)
 
-    def _load_parts(self, meta: UnitMeta) -> tuple[list[traj.StepRecord], FsTracker | None]:
+    def _load_parts(self, meta: UnitMeta) -> tuple[list[traj.StepRecord], bytes]:
         records: list[traj.StepRecord] = []
+        raw = []
         for seg in meta.trajectory:
-            records.extend(traj.decode_segment(read_part(self.store, seg, meta.inline)))
+            raw.append(read_part(self.store, seg, meta.inline))
+            records.extend(traj.decode_segment(raw[-1]))
         if len(records) != meta.steps or [r.step for r in records] != list(range(meta.steps)):
             raise errors.CheckpointError(f"unit {meta.seq}: trajectory has {len(records)} steps, expected {meta.steps}")
         if meta.context is not None:
             read_part(self.store, meta.context, meta.inline)
-        return records, None
+        return records, b"".join(raw)
+
+    def _tune(self, tracker: FsTracker) -> FsTracker:
+        tracker.background = self.settings.checkpoint_squash_background
+        tracker.max_chain = max(self.settings.checkpoint_max_chain, self.settings.checkpoint_full_every + 1)
+        return tracker
+
+    def _maybe_squash(self, live: _Live) -> None:
+        """Start squashing the chain into one full layer in the background, if it is due.
+
+        The job reads the layers already stored (or inline in the last unit), squashes
+        them and stores the result content-addressed (an identical squash is not copied
+        twice); the next unit references it in place of the layers it replaced. Until
+        then units keep the incremental chain, so a crash at any point loses nothing.
+        """
+        tracker = live.tracker
+        if not tracker.background or live.squashing is not None \
+                or not should_squash(tracker.chain, self.settings.checkpoint_full_every):
+            return
+        inputs, inline, level = list(tracker.chain), dict(live.inline), self.settings.checkpoint_zstd_level
+
+        def job() -> tuple:
+            t0 = time.perf_counter()
+            blob, full = squash_layers(inputs, lambda r: read_part(self.store, r, inline), tracker.in_image, level)
+            put_part(self.store, blob)
+            fault_point("ckpt.squash.after_put")
+            return full, time.perf_counter() - t0
+
+        fut = asyncio.get_running_loop().run_in_executor(self._squasher, job)
+        live.squashing = fut
+
+        def done(f: asyncio.Future) -> None:
+            live.squashing = None
+            if f.cancelled() or f.exception() is not None:
+                self.counters["squash_failures"] += 1
+                log.warning("episode %s: background squash failed (retried later): %s", live.id,
+                            None if f.cancelled() else f.exception())
+                return
+            full, secs = f.result()
+            tracker.offer_squash(inputs, full)
+            self.counters["squashes"] += 1
+            self.counters["squash_seconds_total"] += secs
+        fut.add_done_callback(done)
+
+    # --- local journal --------------------------------------------------------------------
+    def _journal_path(self, episode_id: str) -> Path:
+        root = self.settings.checkpoint_journal_dir or self.settings.home / "journals"
+        return root / f"{episode_id}.jsonl.zst"
+
+    async def _open_journal(self, episode_id: str, initial: bytes) -> traj.JournalWriter | None:
+        """The episode's journal, restarted from ``initial`` (the trajectory of its unit)."""
+        if not self.settings.checkpoint_journal:
+            return None
+        return await asyncio.to_thread(traj.JournalWriter, self._journal_path(episode_id), initial)
+
+    async def _close_journal(self, live: _Live) -> None:
+        j, live.journal = live.journal, None
+        if j is not None:
+            try:
+                await asyncio.to_thread(j.close)
+            except OSError as exc:  # the units hold the trajectory; the journal is a local copy
+                log.warning("episode %s: closing its journal failed: %s", live.id, exc)
 
     async def _restore(self, meta: UnitMeta) -> _Live:
         spec = SandboxSpec.model_validate(meta.spec)
@@ -161,20 +233,22 @@ class EpisodeEngine:
                 f"episode {meta.episode_id!r} was checkpointed on image {meta.compat.image_id} "
                 f"({meta.compat.isolation}) but {spec.image!r} now resolves to {view.compat.image_id} "
                 f"({view.compat.isolation}); re-import the original image to resume")
-        records, _ = await asyncio.to_thread(self._load_parts, meta)
+        records, traj_bytes = await asyncio.to_thread(self._load_parts, meta)
         in_image = image_lookup(view.lower_dirs)
         tracker = await asyncio.to_thread(FsTracker.restored, self.store, meta.fs_chain, meta.fs_manifest,
                                           in_image, self.settings.checkpoint_full_every,
                                           self.settings.checkpoint_zstd_level, meta.inline)
         if tracker.fs_digest != meta.fs_digest:
             raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
+        self._tune(tracker)
         lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
         await self._drop_orphans(meta.episode_id)  # survivors of a crash may be ahead of the log
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
                      user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
-                     next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline))
+                     next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline), traj_bytes=traj_bytes)
         live.sandbox_id = await self._new_sandbox(meta.episode_id, spec, lowers)
+        live.journal = await self._open_journal(meta.episode_id, traj_bytes)
         return live
 
     # --- sandbox bookkeeping: every sandbox an episode makes is recorded in the store, so
@@ -216,9 +290,10 @@ class EpisodeEngine:
         if live.sandbox_id:
             await self._drop_sandbox(live.id, live.sandbox_id)
             live.sandbox_id = None
+        await self._close_journal(live)
         fresh = await self._restore(meta)
         live.sandbox_id, live.tracker, live.dirty = fresh.sandbox_id, fresh.tracker, False
-        live.inline = fresh.inline
+        live.inline, live.journal, live.traj_bytes = fresh.inline, fresh.journal, fresh.traj_bytes
 
     # --- steps ------------------------------------------------------------------------
     def _get(self, episode_id: str) -> _Live:
@@ -280,21 +355,22 @@ class EpisodeEngine:
             await self.host.thaw(live.sandbox_id)
         parts: list[tuple[str, bytes]] = [("fs", b) for b in cap.new_parts]
         segments = list(live.segments)
+        frame_fut = None
         if record is not None:
             record.fs_changed, record.fs_bytes, record.fs_digest = cap.changed, cap.layer_bytes, cap.fs_digest
-            if len(segments) + 1 >= self.settings.checkpoint_full_every:
-                seg = traj.encode_segment([*live.records, record])  # compact: one segment again
-                segments = []
-            else:
-                seg = traj.encode_segment([record])
-            parts.append(("trajectory", seg))
+            # Encoded, written and fsynced by the journal thread while the fs parts are stored.
+            frame_fut = live.journal.append(record) if live.journal is not None else None
         if context is not None:
             parts.append(("context", context))
+        compact = record is not None and len(segments) + 1 >= self.settings.checkpoint_full_every
+        frame = b""  # this record's zstd frame, set by write()
 
         def write() -> UnitMeta:
+            nonlocal frame
             refs: dict[str, list[PartRef]] = {"fs": [], "trajectory": [], "context": []}
             inline: dict[str, str] = {}
-            for name, data in parts:
+
+            def store(name: str, data: bytes) -> None:
                 if len(data) <= self.settings.checkpoint_inline_max_bytes:
                     ref = PartRef(digest="sha256:" + sha256_hex(data), size=len(data))
                     inline[ref.digest] = base64.b64encode(data).decode()
@@ -302,12 +378,22 @@ class EpisodeEngine:
                     ref = put_part(self.store, data)
                 refs[name].append(ref)
                 fault_point(f"ckpt.after_part.{name}")
+            for name, data in parts:
+                store(name, data)
+            if record is not None:
+                # The journal thread encoded, wrote and fsynced the record while the fs
+                # parts were stored; waiting here makes the journal cover every unit.
+                frame = frame_fut.result() if frame_fut is not None else traj.encode_record(record)
+                # Compaction: the whole trajectory as one segment again (frames concatenate).
+                seg = live.traj_bytes + frame if compact else frame
+                parts.append(("trajectory", seg))
+                store("trajectory", seg)
             meta = UnitMeta(
                 episode_id=live.id, seq=live.next_seq, kind=kind,  # type: ignore[arg-type]
                 steps=len(live.records) + (record is not None), compat=live.view.compat,
                 compat_hash=live.view.compat.hash(), spec=live.spec.model_dump(mode="json"),
                 fs_chain=cap.chain, fs_manifest=cap.manifest_ref, fs_digest=cap.fs_digest,
-                trajectory=segments + refs["trajectory"],
+                trajectory=([] if compact else segments) + refs["trajectory"],
                 context=refs["context"][0] if refs["context"] else live.context,
                 weights_ref=live.weights_ref, meta=dict(live.user_meta))
             meta.inline = self._carry_inline(meta, inline, live.inline)
@@ -338,6 +424,8 @@ class EpisodeEngine:
         live.next_seq, live.last_key = meta.seq + 1, meta.key
         if record is not None:
             live.records.append(record)
+            live.traj_bytes += frame
+        self._maybe_squash(live)
         return meta
 
     def _carry_inline(self, meta: UnitMeta, new: dict[str, str], prev: dict[str, str]) -> dict[str, str]:
@@ -428,13 +516,17 @@ class EpisodeEngine:
     async def close(self, episode_id: str) -> None:
         """Destroy the episode's sandbox; its checkpoints stay (open resumes it)."""
         live = self._live.pop(episode_id, None)
-        if live is not None and live.sandbox_id:
+        if live is not None:
             async with live.lock:
-                await self._drop_sandbox(live.id, live.sandbox_id)
+                if live.sandbox_id:
+                    await self._drop_sandbox(live.id, live.sandbox_id)
+                await self._close_journal(live)
 
     async def forget(self, episode_id: str) -> None:
         """Drop in-memory state only (what a server crash does); for drills and tests."""
-        self._live.pop(episode_id, None)
+        live = self._live.pop(episode_id, None)
+        if live is not None:
+            await self._close_journal(live)
 
     async def info(self, episode_id: str) -> EpisodeInfo:
         return self._info(self._get(episode_id))

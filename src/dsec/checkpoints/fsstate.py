@@ -32,6 +32,30 @@ class Capture:
     layer_bytes: int
 
 
+def should_squash(chain: list[LayerRef], full_every: int) -> bool:
+    """Pure policy: squash once the chain holds ``full_every`` layers (restore stacks them all)."""
+    return len(chain) >= max(full_every, 2)
+
+
+def adopt_squash(chain: list[LayerRef], inputs: list[LayerRef], full: LayerRef) -> list[LayerRef] | None:
+    """Pure: ``chain`` with its prefix ``inputs`` replaced by their squash ``full``.
+
+    None if the chain no longer starts with ``inputs`` (the episode was restored from
+    another unit meanwhile): a squash of other layers must never be spliced in.
+    """
+    k = len(inputs)
+    if k == 0 or [r.digest for r in chain[:k]] != [r.digest for r in inputs]:
+        return None
+    return [full, *chain[k:]]
+
+
+def squash_layers(inputs: list[LayerRef], load_layer: Callable[[LayerRef], bytes],
+                  in_image: Callable[[str], bool], level: int) -> tuple[bytes, LayerRef]:
+    """One full layer equal to ``inputs`` stacked on the image, and its reference."""
+    blob = layers.squash([load_layer(r) for r in inputs], in_image, level)
+    return blob, LayerRef(digest=_digest(blob), size=len(blob), full=True, squash_of=[r.digest for r in inputs])
+
+
 @dataclass
 class FsTracker:
     in_image: Callable[[str], bool]
@@ -41,28 +65,55 @@ class FsTracker:
     manifest: dict = field(default_factory=dict)
     chain: list[LayerRef] = field(default_factory=list)
     manifest_ref: PartRef | None = None
+    # Background squash (the episode engine): capture only appends layers; the owner squashes
+    # a prefix of the chain off the step path and hands the result to ``offer_squash``.
+    # Past ``max_chain`` layers (the background squash is lagging) capture squashes inline.
+    background: bool = False
+    max_chain: int = 60
+    squashed: tuple[list[LayerRef], LayerRef] | None = None  # (inputs, full layer), stored, not yet adopted
 
     @property
     def fs_digest(self) -> str:
         return fsdiff.manifest_digest(self.manifest)
 
+    def offer_squash(self, inputs: list[LayerRef], full: LayerRef) -> None:
+        """A durable full layer equal to ``inputs``; the next capture adopts it if it still fits."""
+        self.squashed = (inputs, full)
+
+    def _base_chain(self) -> list[LayerRef]:
+        if self.squashed is not None:
+            adopted = adopt_squash(self.chain, *self.squashed)
+            if adopted is not None:
+                return adopted
+        return list(self.chain)
+
     def capture(self, upper: Path, load_layer: Callable[[LayerRef], bytes]) -> tuple[Capture, Callable[[], None]]:
         """Compute the capture; the returned ``commit`` callable adopts it once durable."""
         sigs = fsdiff.walk_signature(upper)
         changes = fsdiff.diff_signatures(self.sigs, sigs)
+        offered, base = self.squashed, self._base_chain()
+
+        def adopt_base() -> None:
+            if self.squashed is offered:  # an offer that arrived meanwhile waits for the next capture
+                self.squashed = None
         if changes.empty:
-            cap = Capture(False, [], list(self.chain), self.manifest_ref, self.fs_digest, 0)
-            return cap, lambda: setattr(self, "sigs", sigs)
+            cap = Capture(False, [], base, self.manifest_ref, self.fs_digest, 0)
+
+            def commit_empty() -> None:
+                self.sigs, self.chain = sigs, base
+                adopt_base()
+            return cap, commit_empty
         nodes = fsdiff.build_nodes(upper, sigs, changes)
         manifest = dict(self.manifest)
         fsdiff.apply_to_manifest(manifest, nodes, self.in_image)
         layer = layers.write_layer(nodes, self.level)
-        incremental = sum(1 for ref in self.chain if not ref.full) if self.chain else 0
-        if self.chain and incremental + 1 >= self.full_every:
-            layer = layers.squash([load_layer(r) for r in self.chain] + [layer], self.in_image, self.level)
+        incremental = sum(1 for ref in base if not ref.full) if base else 0
+        inline_squash = len(base) + 1 >= self.max_chain if self.background else incremental + 1 >= self.full_every
+        if base and inline_squash:
+            layer = layers.squash([load_layer(r) for r in base] + [layer], self.in_image, self.level)
             chain = [LayerRef(digest=_digest(layer), size=len(layer), full=True)]
         else:
-            chain = [*self.chain, LayerRef(digest=_digest(layer), size=len(layer), full=not self.chain)]
+            chain = [*base, LayerRef(digest=_digest(layer), size=len(layer), full=not base)]
         mbytes = zstandard.ZstdCompressor(level=self.level).compress(
             json.dumps(sorted(manifest.items()), separators=(",", ":")).encode())
         mref = PartRef(digest=_digest(mbytes), size=len(mbytes))
@@ -70,6 +121,7 @@ class FsTracker:
 
         def commit() -> None:
             self.sigs, self.manifest, self.chain, self.manifest_ref = sigs, manifest, chain, mref
+            adopt_base()
         return cap, commit
 
     @classmethod

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import zstandard
@@ -97,33 +98,45 @@ def decode_segment(data: bytes) -> list[StepRecord]:
 
 
 class JournalWriter:
-    """Append-only local journal of records, compressed and written off the caller's thread.
+    """Append-only local journal of step records, encoded and made durable off the caller.
 
-    ``append`` only queues; a background thread compresses and writes. ``flush`` waits
-    for everything queued so far and fsyncs: call it at a step boundary. After a crash,
-    :func:`read_journal` returns every flushed record plus whatever complete records
-    followed; the torn one (if any) is dropped.
+    ``append`` only queues the record and returns a future; a background thread
+    compresses it into its own frame, writes it and fsyncs, then resolves the future with
+    the frame's bytes (so the caller can reuse them as the checkpoint unit's trajectory
+    segment instead of encoding twice). ``flush`` waits until everything appended so far
+    is durable: call it at a step boundary, before the unit's metadata is written. After
+    a crash, :func:`read_journal` returns every flushed record plus whatever complete
+    records followed; a torn last frame (the record being written) is dropped.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, initial: bytes | None = None) -> None:
+        """Open ``path`` for appending; with ``initial``, first replace its content atomically
+        (a restored episode's journal restarts from its checkpoint's trajectory)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "ab")
+        if initial is not None:
+            from dsec.durable import atomic_write
+            atomic_write(path, initial)
+        self._fh = open(path, "ab")  # noqa: SIM115 - held open for the journal's lifetime
         self._cv = threading.Condition()
-        self._queue: list[BaseModel | dict] = []
-        self._written = self._queued = 0
+        self._queue: list[tuple[BaseModel | dict, Future[bytes]]] = []
+        self._durable = self._queued = 0
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"journal-{path.name}", daemon=True)
         self._thread.start()
 
-    def append(self, rec: BaseModel | dict) -> None:
+    def append(self, rec: BaseModel | dict) -> Future[bytes]:
+        fut: Future[bytes] = Future()
         with self._cv:
             if self._error:
                 raise self._error
-            self._queue.append(rec)
+            if self._closed:
+                raise ValueError(f"journal {self.path} is closed")
+            self._queue.append((rec, fut))
             self._queued += 1
             self._cv.notify_all()
+        return fut
 
     def _run(self) -> None:
         while True:
@@ -134,33 +147,41 @@ class JournalWriter:
                 if not batch and self._closed:
                     return
             try:
-                self._fh.write(encode_segment(batch))
+                frames = [encode_record(rec) for rec, _ in batch]
+                self._fh.write(b"".join(frames))
                 self._fh.flush()
-            except BaseException as exc:  # noqa: BLE001 - surfaced to the next caller
+                os.fsync(self._fh.fileno())  # one fsync per batch: appends racing in share it
+            except BaseException as exc:  # noqa: BLE001 - surfaced to every waiter and the next caller
                 with self._cv:
                     self._error = exc
                     self._cv.notify_all()
+                for _, fut in batch:
+                    fut.set_exception(exc)
                 return
             with self._cv:
-                self._written += len(batch)
+                self._durable += len(batch)
                 self._cv.notify_all()
+            for (_, fut), frame in zip(batch, frames):
+                fut.set_result(frame)
 
     def flush(self) -> None:
+        """Block until every record appended so far is written and fsynced."""
         with self._cv:
             target = self._queued
-            while self._written < target and not self._error:
+            while self._durable < target and not self._error:
                 self._cv.wait()
             if self._error:
                 raise self._error
-        os.fsync(self._fh.fileno())
 
     def close(self) -> None:
-        self.flush()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
-        self._fh.close()
+        try:
+            self.flush()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join()
+            self._fh.close()
 
 
 def read_journal(path: Path) -> list[dict]:

@@ -51,6 +51,8 @@ class PartRef(BaseModel):
 
 class LayerRef(PartRef):
     full: bool = Field(False, description="A squash of everything before it (chain restarts here)")
+    squash_of: list[str] = Field(default_factory=list, description="Digests of the layers this full layer "
+                                 "replaced (background squash), for audit and re-verification")
 
 
 class Compat(BaseModel):

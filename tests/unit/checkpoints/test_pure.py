@@ -138,3 +138,19 @@ def test_gc_keeps_referenced_and_young_blobs(tmp_path):
     assert collect_garbage(store, grace_s=0, now=_t.time() + 1) == 1  # only_old, now unreferenced
     assert store.exists("cas/sha256/" + shared.digest.split(":")[1])
     assert not store.exists("cas/sha256/" + orphan.digest.split(":")[1])
+
+
+def test_squash_policy_and_adoption_only_splice_a_matching_prefix():
+    """A squash is due at ``full_every`` layers; its result replaces exactly the prefix it
+    was made from, and is refused when the chain no longer starts with those layers
+    (the episode was restored from another unit while the squash ran)."""
+    from dsec.checkpoints.fsstate import adopt_squash, should_squash
+    from dsec.checkpoints.unit import LayerRef
+    L = [LayerRef(digest=f"sha256:{i}", size=i, full=i == 0) for i in range(5)]
+    full = LayerRef(digest="sha256:f", size=9, full=True, squash_of=[r.digest for r in L[:3]])
+    assert not should_squash(L[:2], 3) and should_squash(L[:3], 3)
+    assert adopt_squash(L, L[:3], full) == [full, L[3], L[4]]
+    assert adopt_squash(L[:3], L[:3], full) == [full]
+    assert adopt_squash([L[0], L[2], L[3]], L[:3], full) is None     # restored elsewhere meanwhile
+    assert adopt_squash(L[:2], L[:3], full) is None                  # shorter chain: not a prefix
+    assert adopt_squash(L, [], full) is None

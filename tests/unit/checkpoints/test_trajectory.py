@@ -84,3 +84,64 @@ def test_journal_append_does_not_block(tmp_path):
     w.flush()
     w.close()
     assert [r["step"] for r in read_journal(tmp_path / "j")] == list(range(100))
+
+
+def test_journal_future_is_the_records_frame(tmp_path):
+    """append's future resolves (after the fsync) to exactly the record's zstd frame, so
+    a checkpoint unit can reuse it as its trajectory segment without encoding twice."""
+    from dsec.checkpoints.trajectory import encode_record
+    w = JournalWriter(tmp_path / "j")
+    recs = [_rec(i) for i in range(3)]
+    frames = [w.append(r).result(timeout=10) for r in recs]
+    w.close()
+    assert frames == [encode_record(r) for r in recs]
+    assert (tmp_path / "j").read_bytes() == b"".join(frames)
+    assert decode_segment(b"".join(frames)) == recs
+
+
+def test_journal_torn_tail_on_a_real_file_loses_only_the_last_step(tmp_path):
+    """A journal file cut anywhere inside its last frame (a crash mid-write) still yields
+    every earlier step; a cut exactly at a frame boundary loses nothing."""
+    path = tmp_path / "j.zst"
+    w = JournalWriter(path)
+    recs = [_rec(i) for i in range(5)]
+    for r in recs:
+        w.append(r)
+    w.close()
+    full = path.read_bytes()
+    last = len(encode_segment([recs[-1]]))
+    for cut in range(len(full) - last, len(full) + 1):
+        with open(path, "r+b") as fh:  # a real truncated file, as a crash leaves it
+            fh.truncate(cut)
+        got = [r["step"] for r in read_journal(path)]
+        assert got == ([0, 1, 2, 3, 4] if cut == len(full) else [0, 1, 2, 3]), cut
+        path.write_bytes(full)
+
+
+def test_journal_restart_replaces_content_atomically(tmp_path):
+    """Opening with ``initial`` (a restored episode) replaces the old journal, including a
+    record that was never committed, and appends after it."""
+    path = tmp_path / "j"
+    w = JournalWriter(path)
+    for i in range(3):
+        w.append(_rec(i))
+    w.close()
+    w = JournalWriter(path, initial=encode_segment([_rec(0), _rec(1)]))
+    w.append(_rec(2).model_copy(update={"command": "other"}))
+    w.close()
+    assert [(r["step"], r["command"]) for r in read_journal(path)] == [(0, "echo 0"), (1, "echo 1"), (2, "other")]
+
+
+def test_journal_write_error_reaches_the_caller(tmp_path):
+    """A failed write (here: the file handle closed under the writer) fails the pending
+    future and every later append/flush, instead of silently losing records."""
+    import pytest
+    w = JournalWriter(tmp_path / "j")
+    w._fh.close()
+    fut = w.append(_rec(0))
+    with pytest.raises(ValueError):
+        fut.result(timeout=10)
+    with pytest.raises(ValueError):
+        w.flush()
+    with pytest.raises(ValueError):
+        w.append(_rec(1))
