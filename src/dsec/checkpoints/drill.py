@@ -173,26 +173,56 @@ class ServerProc:
     port: int
     host_kind: str = "dir"
     proc: subprocess.Popen | None = None
+    standby: subprocess.Popen | None = None
+
+    def _spawn(self) -> subprocess.Popen:
+        """A standby server process: imports done, waiting on stdin for its fault spec.
+
+        Python + FastAPI + node imports take ~1 s on this class of machine; a restart
+        that only has to hand the port to an already-imported process makes the drill's
+        fault rate limited by recovery, not by interpreter start-up. The standby holds
+        no state: the node agent, the engine and the port are all set up after the go.
+        """
+        env = {k: v for k, v in os.environ.items() if k != "DSEC_FAULTS"}
+        return subprocess.Popen([sys.executable, "-m", "dsec.checkpoints.drill", "standby", str(self.work),
+                                 str(self.port), self.host_kind], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=open(self.work / "server.log", "ab"))
 
     def start(self, faults: str = "") -> None:
-        env = {**os.environ, "DSEC_FAULTS": faults} if faults else {k: v for k, v in os.environ.items()
-                                                                     if k != "DSEC_FAULTS"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dsec.checkpoints.drill", "serve", str(self.work),
-                                      str(self.port), self.host_kind], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.work / "server.log", "ab"))
+        proc = self.standby if self.standby is not None and self.standby.poll() is None else self._spawn()
+        self.standby = None
+        assert proc.stdin is not None
+        proc.stdin.write(faults.encode() + b"\n")
+        proc.stdin.close()
+        self.proc = proc
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    httpx.get(f"http://127.0.0.1:{self.port}/docs", timeout=0.5)
+                    return
+                except httpx.HTTPError:
+                    if self.proc.poll() is not None:
+                        if faults:  # an armed fault point may kill it before it listens
+                            return
+                        raise errors.DSecError(f"drill server exited with {self.proc.returncode}; "
+                                               f"see {self.work}/server.log") from None
+                    time.sleep(0.02)
+            raise errors.Timeout("drill server did not start within 60 s")
+        finally:
+            self.standby = self._spawn()  # imports while the episodes run
+
+    def close(self) -> None:
+        """Stop the server and the standby (end of the drill)."""
+        self.stop(signal.SIGTERM)
+        if self.standby is not None and self.standby.poll() is None:
+            self.standby.stdin.close()  # EOF: the standby exits without serving
             try:
-                httpx.get(f"http://127.0.0.1:{self.port}/docs", timeout=0.5)
-                return
-            except httpx.HTTPError:
-                if self.proc.poll() is not None:
-                    if faults:  # an armed fault point may kill it before it listens
-                        return
-                    raise errors.DSecError(f"drill server exited with {self.proc.returncode}; "
-                                           f"see {self.work}/server.log")
-                time.sleep(0.05)
-        raise errors.Timeout("drill server did not start within 60 s")
+                self.standby.wait(10)
+            except subprocess.TimeoutExpired:
+                self.standby.kill()
+                self.standby.wait()
+        self.standby = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -272,5 +302,22 @@ def trajectory(url: str, token: str, episode_id: str) -> list[dict]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
 
 
-if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "serve":
-    serve(Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])
+def standby(work: Path, port: int, host_kind: str = "dir") -> None:
+    """Import everything ``serve`` needs, then wait for the go (one line: the fault spec)."""
+    import fastapi  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    import dsec.api.episodes  # noqa: F401
+    import dsec.checkpoints.engine  # noqa: F401
+    import dsec.checkpoints.nodehost  # noqa: F401
+    import dsec.node.agent  # noqa: F401
+    line = sys.stdin.readline()
+    if not line:
+        return  # EOF: the drill ended without needing this standby
+    if line.strip():
+        os.environ["DSEC_FAULTS"] = line.strip()
+    serve(work, port, host_kind)
+
+
+if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] in ("serve", "standby"):
+    (serve if sys.argv[1] == "serve" else standby)(Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

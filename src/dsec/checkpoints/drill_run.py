@@ -236,7 +236,7 @@ def run_drill(cfg: DrillConfig, progress: Callable[[str, int, int], None] = lamb
             rnd += 1
             progress("faults", sum(res.faults.values()), cfg.faults)
     finally:
-        server.stop(signal.SIGTERM)
+        server.close()
         if cfg.host_kind == "node":
             import asyncio
             res.leaked_mounts = asyncio.run(cleanup_node(cfg.work))
