@@ -134,3 +134,31 @@ def test_gvisor_tier_via_api(server: Server) -> None:
         r = sb.exec("echo in-gvisor; dmesg 2>/dev/null | head -1")
         assert r.exit_code == 0 and r.stdout.startswith("in-gvisor\n")
         assert "gVisor" in r.stdout  # runsc's synthetic kernel log names itself
+
+
+def test_async_client_real_server(server: Server) -> None:
+    """The asyncio SDK's own HTTP driver (aiohttp) against a real server: concurrent execs
+    on one pooled client, a streamed exec with a line longer than any read buffer, errors
+    as dsec.errors classes, and a refused connection as a TransientError (no raw errors)."""
+    import asyncio
+
+    from dsec.errors import TransientError
+    from dsec.sdk import AsyncClient, AsyncSandbox
+
+    async def main() -> None:
+        async with AsyncClient(server.url, server.token) as c:
+            async with await AsyncSandbox.create(image="busybox", client=c) as sb:
+                outs = await asyncio.gather(*(sb.exec(["echo", str(i)]) for i in range(20)))
+                assert [o.stdout for o in outs] == [f"{i}\n" for i in range(20)]
+                events = [e async for e in sb.exec_stream("head -c 300000 /dev/zero | tr '\\0' a; echo; echo end")]
+                out = "".join(e.data for e in events if e.kind == "stdout")
+                assert out == "a" * 300000 + "\nend\n" and events[-1].result.exit_code == 0
+                with pytest.raises(NotFound, match="/nope"):
+                    await sb.files.read("/nope")
+            with pytest.raises(NotFound, match="sb-doesnotexist"):
+                await AsyncSandbox.connect("sb-doesnotexist", client=c)
+        async with AsyncClient("http://127.0.0.1:9", server.token, retries=1) as dead:
+            with pytest.raises(TransientError, match="cannot connect"):
+                await dead.health()
+
+    asyncio.run(main())

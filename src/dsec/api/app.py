@@ -12,8 +12,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from dsec import __version__
-from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sandboxes
+from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sandboxes, routes_scheduler
 from dsec.api.errors import install_error_handlers
+from dsec.api.hotpath import HotPath
 from dsec.api.metrics import Metrics
 from dsec.api.services import Services
 
@@ -52,9 +53,10 @@ class RequestMetrics:
                                             status=f"{status // 100}xx").observe(time.perf_counter() - t0)
 
 
-def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
+def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: bool = True) -> FastAPI:
     """Build the app. With ``manage_lifecycle`` the ASGI lifespan starts and closes the
-    services (node agent reconcile, audit flusher, housekeeping)."""
+    services (node agent reconcile, audit flusher, housekeeping). ``hot_path=False`` leaves
+    exec and /health to the FastAPI routes (the reference the fast path is tested against)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +79,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
     app.include_router(routes_admin.tenants)
     app.include_router(routes_admin.system)
     app.include_router(routes_checkpoints.router)
+    app.include_router(routes_scheduler.router)
     app.state.checkpoints = None
     if getattr(services.node, "manager", None) is not None:
         # Episodes (trajectory log, checkpoints, fast-forward resume) and sandbox
@@ -90,6 +93,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True) -> FastAPI:
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).
     app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))
+    # Added first = runs inside RequestMetrics (which labels it by the route template).
+    if hot_path:
+        app.add_middleware(HotPath, services=services)
     app.add_middleware(RequestMetrics, metrics=services.metrics)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app

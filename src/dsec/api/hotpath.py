@@ -1,0 +1,133 @@
+"""A pure-ASGI fast path for the one request an RL trainer sends thousands of times a
+second: ``POST /v1/sandboxes/{sandbox_id}/exec`` (plus ``GET /health``, which probes
+must get through even when the server is busy).
+
+Why: profiling a trivial exec (py-spy on ``dsec serve``) showed FastAPI's generic
+machinery — five framework middlewares, the route scan, dependency solving, body
+validation through ``ModelField`` — costing about as much as the node's own exec work.
+This path does the same things directly: token -> tenant, path pattern, body validated
+by the same pydantic model, ``SandboxService.exec``, one JSON write. The FastAPI routes
+stay registered (OpenAPI, docs, and every other request) and define the contract: this
+path must answer exactly what they would, which ``tests/unit/api`` checks side by side.
+
+Errors use the same ``dsec.api.errors`` mapping; anything unexpected propagates to the
+app's ServerErrorMiddleware (500 JSON), as it would from a route.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from dsec import __version__
+from dsec.api.deps import ID_PATTERN
+from dsec.api.errors import error_response, validation_error
+from dsec.api.schemas import Health
+from dsec.api.services import Services
+from dsec.errors import DSecError, PayloadTooLarge
+from dsec.models import ExecRequest
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_EXEC = re.compile(r"^/v1/sandboxes/([^/]+)/exec$")
+_ID = re.compile(ID_PATTERN)
+_JSON = [(b"content-type", b"application/json")]
+
+
+class _Route:
+    """What RequestMetrics reads from ``scope["route"]`` (the route template label)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+_EXEC_ROUTE = _Route("/v1/sandboxes/{sandbox_id}/exec")
+_HEALTH_ROUTE = _Route("/health")
+
+
+async def _reply(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class HotPath:
+    def __init__(self, app: ASGIApp, services: Services) -> None:
+        self.app = app
+        self.svc = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            method, path = scope["method"], scope["path"]
+            if method == "POST":
+                m = _EXEC.match(path)
+                if m is not None:
+                    scope["route"] = _EXEC_ROUTE
+                    await self._exec(m.group(1), scope, receive, send)
+                    return
+            elif method == "GET" and path == "/health":
+                scope["route"] = _HEALTH_ROUTE
+                await self._health(send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _health(self, send: Send) -> None:
+        svc = self.svc
+        body = Health(status="ok", version=__version__, node=getattr(svc.node, "node_id", None),
+                      uptime_s=round(time.time() - svc.started_at, 3))
+        await _reply(send, 200, body.model_dump_json().encode())
+
+    async def _exec(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        svc = self.svc
+        try:
+            tenant = svc.auth.authenticate(_header(scope, b"authorization"))
+            body = await _body(receive, svc.settings.max_upload_bytes)
+            if not _ID.match(sandbox_id):
+                raise validation_error([{"loc": ("path", "sandbox_id"),
+                                         "msg": f"String should match pattern '{ID_PATTERN}'"}])
+            try:
+                req = ExecRequest.model_validate_json(body)
+            except ValidationError as e:
+                errs = [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
+                if any(x["type"] == "json_invalid" for x in errs):  # as FastAPI reports it
+                    errs = [{"loc": ("body", 0), "msg": "JSON decode error"}]
+                raise validation_error(errs) from None
+            res = await svc.sandboxes.exec(tenant, sandbox_id, req)
+        except DSecError as err:
+            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
+            return
+        await _reply(send, 200, res.model_dump_json().encode())
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def _body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"exec request exceeds the limit of {limit} bytes (Settings.max_upload_bytes); "
+                                  "send large inputs as a file upload", limit=limit)
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)

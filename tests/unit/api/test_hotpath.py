@@ -1,0 +1,58 @@
+"""The exec/health fast path answers exactly what the FastAPI routes answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from api_env import make_env
+
+from dsec.api.app import create_app
+
+
+async def test_hot_path_matches_fastapi_routes(tmp_path: Path) -> None:
+    """Same status, error code and named fields for good and bad exec requests, with and
+    without the fast path (so a fuzzer or an SDK cannot tell them apart)."""
+    env = await make_env(tmp_path)
+    try:
+        ref = create_app(env.services, manage_lifecycle=False, hot_path=False)
+        sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+        dead = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+        await env.alice.delete(f"/v1/sandboxes/{dead['id']}")
+        tok = {"authorization": f"Bearer {env.alice_token}"}
+        cases = [
+            (tok, sb["id"], {"json": {"cmd": "echo hi"}}),
+            (tok, sb["id"], {"json": {"cmd": ["echo", "a b"], "env": {"X": "1"}, "timeout": 5}}),
+            ({}, sb["id"], {"json": {"cmd": "echo hi"}}),
+            ({"authorization": "Bearer nope"}, sb["id"], {"json": {"cmd": "echo hi"}}),
+            ({"authorization": "Basic x"}, sb["id"], {"json": {"cmd": "echo hi"}}),
+            (tok, "bad$id", {"json": {"cmd": "echo hi"}}),
+            (tok, "sb-unknown", {"json": {"cmd": "echo hi"}}),
+            (tok, dead["id"], {"json": {"cmd": "echo hi"}}),
+            (tok, sb["id"], {"json": {}}),
+            (tok, sb["id"], {"json": {"cmd": 5}}),
+            (tok, sb["id"], {"json": {"cmd": "x", "bogus": 1}}),
+            (tok, sb["id"], {"json": {"cmd": "x", "timeout": -1}}),
+            (tok, sb["id"], {"content": b"not json", "headers": {"content-type": "application/json"}}),
+        ]
+        fast_t, ref_t = env.alice._transport, httpx.ASGITransport(app=ref)
+        statuses = []
+        for headers, sid, kw in cases:
+            answers = []
+            extra = kw.pop("headers", {})
+            for transport in (fast_t, ref_t):
+                async with httpx.AsyncClient(transport=transport, base_url="http://dsec") as c:
+                    r = await c.post(f"/v1/sandboxes/{sid}/exec", headers={**headers, **extra}, **kw)
+                body = r.json()
+                fields = sorted(f["field"] for f in body.get("details", {}).get("fields", []))
+                answers.append((r.status_code, body.get("code"), fields,
+                                body.get("stdout"), body.get("exit_code")))
+            assert answers[0] == answers[1], (headers, sid, kw, answers)
+            statuses.append(answers[0][0])
+        assert statuses == [200, 200, 401, 401, 401, 422, 404, 404, 422, 422, 422, 422, 422]
+        for transport in (fast_t, ref_t):
+            async with httpx.AsyncClient(transport=transport, base_url="http://dsec") as c:
+                h = (await c.get("/health")).json()
+            assert set(h) == {"status", "version", "node", "uptime_s"} and h["status"] == "ok"
+    finally:
+        await env.services.close()
