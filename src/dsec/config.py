@@ -7,6 +7,8 @@ file (``DSEC_CONFIG``), then these defaults. Seed figures are defaults, never co
 
 from __future__ import annotations
 
+import math
+
 import os
 import tomllib
 from functools import lru_cache
@@ -111,6 +113,7 @@ class Settings(BaseSettings):
     overcommit_threshold: float = Field(0.85, description="Admit nothing above this predicted load")
     overcommit_ratio: float = Field(1.3, description="Max admitted / capacity while below threshold")
     node_sync_interval_s: float = Field(5.0, description="How often the scheduler re-lists its nodes' sandboxes")
+    warm_fast_path_max_queue: int = Field(64, description="Warm hand-over skips the batch window while the queue is this short")
     cpu_request_ratio: float = Field(0.25, description="CPU reserved per sandbox = its CPU cap x this")
     warm_pool_factor: float = Field(1.2, description="Pool target = peak concurrency x this")
     warm_pool_window_s: float = Field(600.0, description="Window for observed peak concurrency")
@@ -252,4 +255,6 @@ def parse_bytes(value: str | int) -> int:
         raise ValueError(f"invalid size {value!r}: expected e.g. '512M' or '8G'") from None
     if amount < 0:
         raise ValueError(f"size must be >= 0, got {value!r}")
+    if not math.isfinite(amount * _UNITS[unit]):  # 'nan', 'inf', or 1e400G
+        raise ValueError(f"invalid size {value!r}: not a finite number of bytes")
     return int(amount * _UNITS[unit])

@@ -12,7 +12,8 @@ from e2e_server import Server, ensure_images, reap_home, start_server
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("dsec-home")
     ensure_images(home, ["busybox"])
-    srv = start_server(home, {"DSEC_MAX_UPLOAD_BYTES": str(1 << 20)})
+    # A create with no room answers 429 after this wait instead of the 30 s default.
+    srv = start_server(home, {"DSEC_MAX_UPLOAD_BYTES": str(1 << 20), "DSEC_API_CREATE_WAIT_S": "10"})
     try:
         yield srv
     finally:

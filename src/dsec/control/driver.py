@@ -166,6 +166,11 @@ class SchedulerDriver:
             self._waiters[request_id] = asyncio.get_running_loop().create_future()
             if sandbox_id is not None:
                 self._sids[request_id] = sandbox_id
+            if t.state == "queued":
+                fast = self.sched.take_warm_now(request_id, self.clock())
+                if fast is not None:
+                    self._spawn(self._execute(fast))
+                    return self.sched.ticket(request_id)
         self._wake.set()
         return t
 
@@ -356,7 +361,7 @@ class SchedulerDriver:
             log.warning("placement %s on %s failed: %s", p.kind, p.node_id, e)
             if p.kind in ("create", "pool") and p.request is not None and p.request.request_id in self.sched.placed:
                 # A bad spec or image fails the same way on every node: no retry.
-                self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT))
+                self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT), cause=e)
 
     async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
         """Hand a pool member to the user. Agents with ``claim`` (LocalNodeAgent) apply the
@@ -404,13 +409,16 @@ class SchedulerDriver:
                 fut.set_exception(e)
         self._wake.set()
 
-    def _failed(self, request_id: str, error: str, retriable: bool) -> None:
+    def _failed(self, request_id: str, error: str, retriable: bool, cause: Exception | None = None) -> None:
         t = self.sched.on_failed(request_id, self.clock(), error, retriable=retriable)
         if t is not None and t.state == "failed":
             self._sids.pop(request_id, None)
             fut = self._waiters.pop(request_id, None)
             if fut is not None and not fut.done():
-                fut.set_exception(SandboxFailure(f"request {request_id!r} failed: {t.error}"))
+                # The user's own mistake (bad spec, image, permission) keeps its type and
+                # status (4xx naming the field); only node failures become SandboxFailure.
+                fut.set_exception(cause if isinstance(cause, _PERMANENT) else
+                                  SandboxFailure(f"request {request_id!r} failed: {t.error}"))
         self._wake.set()
 
     def _resolve(self, request_id: str, info: SandboxInfo) -> None:

@@ -116,7 +116,7 @@ class PoolBook:
             for _ in range(n):
                 self._seq += 1
                 req = Request(f"pool-{self._seq}", self.TENANT, shape[0], shape[2], shape[3], shape[4], LOW,
-                              shape[1], None, shape[5], 0.0, submitted_at=now)
+                              shape[1], None, shape[5], 0.0, submitted_at=now, cpu_limit=shape[6])
                 choice = sched.policy.choose(req, image, sched.cluster, sched.rng)
                 if choice is None or choice[0].warm_count + choice[0].inflight >= cap:
                     break

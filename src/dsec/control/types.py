@@ -15,8 +15,9 @@ HIGH, MEDIUM, LOW = 0, 1, 2
 PRIORITIES: dict[str, int] = {"high": HIGH, "medium": MEDIUM, "low": LOW}
 PRIORITY_NAMES: tuple[str, ...] = ("high", "medium", "low")
 
-# (image, isolation, cpu, memory, disk, network): sandboxes of one shape are interchangeable.
-Shape = tuple[str, str, float, int, int, bool]
+# (image, isolation, cpu request, memory, disk, network, cpu cap or 0): sandboxes of one
+# shape are interchangeable.
+Shape = tuple[str, str, float, int, int, bool, float]
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class Request:
 
     @property
     def shape(self) -> Shape:
-        return (self.image, self.isolation, self.cpu, self.memory, self.disk, self.network)
+        return (self.image, self.isolation, self.cpu, self.memory, self.disk, self.network, self.cpu_limit)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,83 @@
+"""Control-plane views: a request's queue position/ETA (its tenant) and the scheduler's
+state (admin: node allocation against the overcommit bound, queue, pools, counters)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel
+
+from dsec.api.auth import require_admin
+from dsec.api.deps import Ctx
+from dsec.errors import NotFound
+
+router = APIRouter(tags=["scheduler"])
+
+
+class RequestStatus(BaseModel):
+    request_id: str
+    state: str  # queued | placed | created | failed
+    position: int = 0
+    eta_s: float = 0.0
+    sandbox_id: str | None = None
+    error: str | None = None
+
+
+class NodeAllocation(BaseModel):
+    node_id: str
+    healthy: bool
+    cpu: float
+    cpu_allocated: float
+    cpu_bound: float  # overcommit bound: admissions stop here
+    memory: int
+    memory_allocated: int
+    sandboxes: int
+    creating: int
+    warm: int
+    warm_ids: list[str]  # idle pool members (no tenant sees them)
+    predicted_load: float
+
+
+class SchedulerState(BaseModel):
+    queue_depth: int
+    queue_capacity: int
+    backpressure: bool
+    placements_per_s: float
+    nodes: list[NodeAllocation]
+    stats: dict[str, int]
+
+
+def _driver(ctx: Any) -> Any:
+    driver = ctx.svc.scheduler
+    if driver is None:
+        raise NotFound("this server places creates without the scheduler (DSEC_API_SCHEDULER=0)")
+    return driver
+
+
+@router.get("/v1/requests/{request_id}", response_model=RequestStatus,
+            summary="Where your create request is: queue position and ETA, or its sandbox")
+async def request_status(request_id: Annotated[str, Path(min_length=1, max_length=256, pattern=r"^[!-~]+$")],
+                         ctx: Ctx) -> RequestStatus:
+    t = _driver(ctx).sched.tickets.get(f"{ctx.tenant.name}/{request_id}")
+    if t is None:
+        raise NotFound(f"request {request_id!r} is unknown: never submitted with this request_id, withdrawn, "
+                       "or forgotten after the idempotency window")
+    return RequestStatus(request_id=request_id, state=t.state, position=t.position, eta_s=round(t.eta_s, 3),
+                         sandbox_id=t.sandbox_id, error=t.error)
+
+
+@router.get("/v1/scheduler", response_model=SchedulerState, summary="Scheduler state (admin)")
+async def scheduler_state(ctx: Ctx) -> SchedulerState:
+    require_admin(ctx.tenant)
+    sched = _driver(ctx).sched
+    ratio = sched.s.overcommit_ratio
+    nodes = [NodeAllocation(node_id=n.node_id, healthy=n.healthy, cpu=n.cpu, cpu_allocated=round(n.used_cpu, 3),
+                            cpu_bound=round(n.cpu * ratio, 3), memory=n.memory, memory_allocated=n.used_memory,
+                            sandboxes=n.count, creating=n.inflight, warm=n.warm_count,
+                            warm_ids=sorted(r.sandbox_id for r in sched.residents[n.node_id].values() if r.pool),
+                            predicted_load=round(n.predicted, 3))
+             for n in sched.cluster.node_list]
+    return SchedulerState(queue_depth=sched.depth(), queue_capacity=sched.s.queue_capacity,
+                          backpressure=sched.bp.active, placements_per_s=round(sched.drain_rate, 2),
+                          nodes=nodes, stats=dict(sched.stats))

@@ -1,0 +1,127 @@
+"""`dsec serve` places creates through the control-plane scheduler: warm-pool hand-over
+is the common path, a burst is absorbed without 5xx inside the overcommit bound, a create
+that finds no room is withdrawn with 429 + Retry-After, and clients can see where their
+request is. Real server process, real runc sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_server import ensure_images, reap_home
+
+from dsec.api.launch import ServeProcess, start_serve
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"image": "busybox", "cpu": 0.5, "memory": "64M", "disk": "64M", "timeout": 300}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    home = tmp_path_factory.mktemp("dsec-sched")
+    ensure_images(home, ["busybox"])
+    s = start_serve(home, {"DSEC_API_CREATE_WAIT_S": "3"})
+    try:
+        yield s
+    finally:
+        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
+            for sb in c.get("/v1/sandboxes").json():
+                c.delete(f"/v1/sandboxes/{sb['id']}")
+        s.stop()
+        reap_home(home)
+
+
+def _auth(s: ServeProcess) -> dict[str, str]:
+    return {"authorization": f"Bearer {s.token}"}
+
+
+def _state(c: httpx.Client) -> dict:
+    return c.get("/v1/scheduler").json()
+
+
+def test_warm_pool_is_the_common_path(srv: ServeProcess) -> None:
+    """After demand for a shape was seen, the pool pre-creates members and the next creates
+    of that shape are hand-overs (counted by the scheduler), whose TTL starts at hand-over
+    and which run commands like any sandbox."""
+    with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
+        first = [c.post("/v1/sandboxes", json=SMALL).json()["id"] for _ in range(3)]
+        for sid in first:
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+        for _ in range(200):
+            if sum(n["warm"] for n in _state(c)["nodes"]) >= 1:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        hits0 = _state(c)["stats"]["warm_hits"]
+        sb = c.post("/v1/sandboxes", json={**SMALL, "labels": {"who": "warm"}}).json()
+        assert _state(c)["stats"]["warm_hits"] == hits0 + 1
+        assert sb["labels"] == {"who": "warm"} and sb["started_at"] is not None
+        r = c.post(f"/v1/sandboxes/{sb['id']}/exec", json={"cmd": "echo warm"}).json()
+        assert r["exit_code"] == 0 and r["stdout"] == "warm\n"
+        assert c.delete(f"/v1/sandboxes/{sb['id']}").status_code == 204
+
+
+def test_burst_absorbed_within_overcommit_bound(srv: ServeProcess) -> None:
+    """40 creates at once on a node that holds ~20 of them: every answer is 201 or 429
+    (never 5xx), every 429 carries Retry-After, the allocation never passes the bound, and
+    each 201 sandbox is real."""
+
+    async def burst() -> tuple[list[httpx.Response], float]:
+        peak = 0.0
+        done = asyncio.Event()
+        async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as c:
+            async def watch() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    for n in (await c.get("/v1/scheduler")).json()["nodes"]:
+                        peak = max(peak, n["cpu_allocated"] / n["cpu_bound"])
+                    await asyncio.sleep(0.02)
+
+            w = asyncio.create_task(watch())
+            answers = await asyncio.gather(*(c.post("/v1/sandboxes", json={**SMALL, "request_id": f"b{i}"})
+                                             for i in range(40)))
+            done.set()
+            await w
+        return list(answers), peak
+
+    answers, peak = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {201, 429}, codes
+    assert codes.count(201) >= 5 and peak <= 1.0
+    assert all(float(r.headers["retry-after"]) > 0 for r in answers if r.status_code == 429)
+    with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
+        live = c.get("/v1/sandboxes").json()
+        assert len(live) == codes.count(201)
+        # A withdrawn request is forgotten: its id can be submitted again later.
+        refused = next((i for i, r in enumerate(answers) if r.status_code == 429), None)
+        for sb in live:
+            c.delete(f"/v1/sandboxes/{sb['id']}")
+        if refused is not None:
+            again = c.post("/v1/sandboxes", json={**SMALL, "request_id": f"b{refused}"})
+            assert again.status_code == 201
+            c.delete(f"/v1/sandboxes/{again.json()['id']}")
+
+
+def test_request_status_and_unplaceable_request(srv: ServeProcess) -> None:
+    """A finished request reports its sandbox; an unknown request id is 404 naming it; a
+    request no node can ever hold is refused at submit (4xx naming the limit), not queued."""
+    with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
+        sb = c.post("/v1/sandboxes", json={**SMALL, "request_id": "status-1"}).json()
+        st = c.get("/v1/requests/status-1").json()
+        assert st["state"] == "created" and st["sandbox_id"] == sb["id"]
+        missing = c.get("/v1/requests/nope-1")
+        assert missing.status_code == 404 and "nope-1" in missing.json()["message"]
+        huge = c.post("/v1/sandboxes", json={**SMALL, "cpu": 4096})
+        assert 400 <= huge.status_code < 500 and "cpu" in huge.text
+        c.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+def test_scheduler_state_is_admin_only(srv: ServeProcess, tmp_path: Path) -> None:
+    """Node allocation is operator information: a plain tenant gets 403."""
+    with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
+        token = c.post("/v1/tenants", json={"name": "plain-sched"}).json()["token"]
+    r = httpx.get(f"{srv.url}/v1/scheduler", headers={"authorization": f"Bearer {token}"})
+    assert r.status_code == 403
