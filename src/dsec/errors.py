@@ -119,6 +119,13 @@ class ReplayDiverged(DSecError):
     http_status = 409
 
 
+class EpisodeFenced(Conflict):
+    """A newer owner opened the episode: this (stale) owner may no longer append to it."""
+
+    code = "episode_fenced"
+    http_status = 409
+
+
 class StorageFull(DSecError):
     code = "storage_full"
     http_status = 507
@@ -135,7 +142,7 @@ ALL_ERRORS: tuple[type[DSecError], ...] = (
     DSecError, InvalidArgument, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
     QuotaExceeded, CapacityExhausted, Overloaded, Timeout, SandboxFailure, ImageError,
     DigestMismatch, UnsafeLayer, BuildFailed, CheckpointError, ReplayDiverged, StorageFull,
-    TransientError,
+    TransientError, EpisodeFenced,
 )
 
 ERRORS_BY_CODE: dict[str, type[DSecError]] = {cls.code: cls for cls in ALL_ERRORS}

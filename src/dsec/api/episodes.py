@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Path, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Path, Request, Response
 from pydantic import BaseModel, Field
 
 from dsec.checkpoints.engine import EpisodeEngine
@@ -48,6 +48,9 @@ async def _tenant(request: Request) -> Any:
 
 Engine = Annotated[EpisodeEngine, Depends(_engine)]
 Tenant = Annotated[Any, Depends(_tenant)]
+EPOCH_HEADER = "x-dsec-episode-epoch"
+# The owner epoch ``open`` returned; a write with an older one is refused (409 episode_fenced).
+Epoch = Annotated[int | None, Header(alias=EPOCH_HEADER, ge=0, description="Owner epoch from open (fencing)")]
 
 
 def _key(t: Any, episode_id: str) -> str:
@@ -65,13 +68,14 @@ async def open_(episode_id: EpisodeId, req: OpenRequest, eng: Engine, t: Tenant)
 
 @router.post("/{episode_id}/steps", response_model=StepResult,
              summary="Run step N live, or return its logged result if already logged")
-async def step(episode_id: EpisodeId, req: StepRequest, eng: Engine, t: Tenant) -> StepResult:
-    return await eng.step(_key(t, episode_id), req.step, req.request)
+async def step(episode_id: EpisodeId, req: StepRequest, eng: Engine, t: Tenant, epoch: Epoch = None) -> StepResult:
+    return await eng.step(_key(t, episode_id), req.step, req.request, epoch)
 
 
 @router.put("/{episode_id}/context", response_model=CheckpointRef, summary="Save agent runtime state")
-async def save_context(episode_id: EpisodeId, eng: Engine, t: Tenant, context: Any = Body(...)) -> CheckpointRef:
-    ref = await eng.save_context(_key(t, episode_id), context)
+async def save_context(episode_id: EpisodeId, eng: Engine, t: Tenant, context: Annotated[Any, Body()],
+                       epoch: Epoch = None) -> CheckpointRef:
+    ref = await eng.save_context(_key(t, episode_id), context, epoch)
     return ref.model_copy(update={"episode_id": episode_id})
 
 
@@ -81,8 +85,9 @@ async def get_context(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Any:
 
 
 @router.post("/{episode_id}/checkpoint", response_model=CheckpointRef, summary="Atomic checkpoint unit")
-async def checkpoint(episode_id: EpisodeId, req: CheckpointRequest, eng: Engine, t: Tenant) -> CheckpointRef:
-    ref = await eng.checkpoint(_key(t, episode_id), req.weights_ref, req.meta)
+async def checkpoint(episode_id: EpisodeId, req: CheckpointRequest, eng: Engine, t: Tenant,
+                     epoch: Epoch = None) -> CheckpointRef:
+    ref = await eng.checkpoint(_key(t, episode_id), req.weights_ref, req.meta, epoch)
     return ref.model_copy(update={"episode_id": episode_id})
 
 
@@ -104,8 +109,8 @@ async def export(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
 
 
 @router.delete("/{episode_id}", status_code=204, summary="Close: destroy the sandbox, keep checkpoints")
-async def close(episode_id: EpisodeId, eng: Engine, t: Tenant) -> Response:
-    await eng.close(_key(t, episode_id))
+async def close(episode_id: EpisodeId, eng: Engine, t: Tenant, epoch: Epoch = None) -> Response:
+    await eng.close(_key(t, episode_id), epoch)
     return Response(status_code=204)
 
 

@@ -307,9 +307,9 @@ def standby(work: Path, port: int, host_kind: str = "dir") -> None:
     import fastapi  # noqa: F401
     import uvicorn  # noqa: F401
 
-    import dsec.api.episodes  # noqa: F401
-    import dsec.checkpoints.engine  # noqa: F401
-    import dsec.checkpoints.nodehost  # noqa: F401
+    import dsec.api.episodes
+    import dsec.checkpoints.engine
+    import dsec.checkpoints.nodehost
     import dsec.node.agent  # noqa: F401
     line = sys.stdin.readline()
     if not line:

@@ -31,6 +31,7 @@ import zstandard
 
 from dsec import errors
 from dsec.blobs import BlobStore, sha256_hex
+from dsec.checkpoints import fencing
 from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker, materialize, should_squash, squash_layers
@@ -71,6 +72,7 @@ class _Live:
     last_key: str = ""
     inline: dict[str, str] = field(default_factory=dict)  # inline parts of the last unit
     unit_keys: list[tuple[int, str]] | None = None  # (seq, key) of stored units; None = list the store
+    epoch: int = 0  # owner epoch: writes from an older epoch are fenced
     dirty: bool = False  # sandbox fs is ahead of the last unit: replace before the next step
     squashing: asyncio.Future | None = None  # background squash of the layer chain, if running
     journal: traj.JournalWriter | None = None  # local trajectory journal (appended off the exec path)
@@ -101,26 +103,34 @@ class EpisodeEngine:
 
     # --- open / restore ---------------------------------------------------------------
     async def open(self, episode_id: str, spec: SandboxSpec | None = None) -> EpisodeInfo:
-        """Create the episode, or resume it from its newest complete checkpoint unit."""
+        """Create the episode, or resume it from its newest complete checkpoint unit.
+
+        Every open makes the caller the episode's owner with a new epoch (``info.epoch``);
+        writes carrying an older epoch are refused with ``EpisodeFenced``.
+        """
         check_episode_id(episode_id)
         async with self._open_locks.setdefault(episode_id, asyncio.Lock()):
             live = self._live.get(episode_id)
             if live is not None:
+                async with live.lock:  # no write of the previous owner is half-way through
+                    live.epoch = await asyncio.to_thread(self._claim, episode_id, [live.epoch])
                 return self._info(live)
-            units = await asyncio.to_thread(complete_units, self.store, episode_id)
+            units = await asyncio.to_thread(self._restorable, episode_id)
             if not units:
                 if await asyncio.to_thread(list_unit_keys, self.store, episode_id):
                     raise errors.CheckpointError(
                         f"episode {episode_id!r} has checkpoint units but none is complete; "
                         "inspect it with `dsec episode show` or delete it to start over")
-                return await self._create(episode_id, spec or SandboxSpec())
+                epoch = await asyncio.to_thread(self._claim, episode_id, [])
+                return await self._create(episode_id, spec or SandboxSpec(), epoch)
+            epoch = await asyncio.to_thread(self._claim, episode_id, [m.epoch for m in units])
             t0 = time.perf_counter()
             failures = []
             next_seq = 1 + max(seq for seq, _ in await asyncio.to_thread(list_unit_keys, self.store, episode_id))
             for meta in units:
                 try:
                     live = await self._restore(meta)
-                    live.next_seq = next_seq
+                    live.next_seq, live.epoch = next_seq, epoch
                 except (errors.DigestMismatch, errors.NotFound, errors.CheckpointError) as exc:
                     log.warning("episode %s: unit %d unusable (%s); falling back", episode_id, meta.seq, exc)
                     self.counters["restore_fallbacks"] += 1
@@ -134,12 +144,64 @@ class EpisodeEngine:
                 f"no checkpoint unit of episode {episode_id!r} could be restored ({'; '.join(failures)}); "
                 "nothing partial was restored", episode_id=episode_id)
 
-    async def _create(self, episode_id: str, spec: SandboxSpec) -> EpisodeInfo:
+    # --- fencing --------------------------------------------------------------------------
+    def _owner_key(self, episode_id: str) -> str:
+        return f"episodes/{episode_id}/owner"
+
+    def _stored_epoch(self, episode_id: str) -> int | None:
+        try:
+            rec = fencing.OwnerRecord.decode(self.store.get(self._owner_key(episode_id)))
+        except errors.NotFound:
+            return None
+        return rec.epoch if rec is not None else None
+
+    def _claim(self, episode_id: str, unit_epochs: list[int]) -> int:
+        """Become the episode's newest owner: a new epoch, durable before anyone sees it."""
+        epoch = fencing.next_epoch(self._stored_epoch(episode_id), unit_epochs)
+        self.store.put(self._owner_key(episode_id), fencing.OwnerRecord(epoch=epoch, opened_at=time.time()).encode())
+        return epoch
+
+    def _restorable(self, episode_id: str) -> list[UnitMeta]:
+        """Complete units a restore may use, newest first (a fenced writer's units skipped)."""
+        units = complete_units(self.store, episode_id)
+        ok = fencing.valid_units([(m.seq, m.epoch) for m in units])
+        for m, good in zip(units, ok):
+            if not good:
+                log.warning("episode %s: unit %d was written by a fenced owner (epoch %d); ignored",
+                            episode_id, m.seq, m.epoch)
+        return sorted((m for m, good in zip(units, ok) if good), key=lambda m: (m.seq, m.epoch), reverse=True)
+
+    def _fence(self, live: _Live, epoch: int | None, stored: int | None = None) -> None:
+        verdict = fencing.decide(epoch, live.epoch, stored)
+        if verdict is fencing.Fence.STALE_CLIENT:
+            raise errors.EpisodeFenced(
+                f"episode {live.id!r} was opened again by a newer owner (epoch {live.epoch}); this handle "
+                f"(epoch {epoch}) is stale and may not append to it: stop using it, or open the episode "
+                "again to take it over", episode_id=live.id, epoch=epoch, current_epoch=live.epoch)
+        if verdict is fencing.Fence.STALE_SERVER:
+            raise errors.EpisodeFenced(
+                f"episode {live.id!r} was resumed elsewhere (owner epoch {max(stored or 0, epoch or 0)}, this "
+                f"server holds epoch {live.epoch}); open it again to continue where its owner is",
+                episode_id=live.id, epoch=epoch, current_epoch=live.epoch)
+
+    async def _evict_stale(self, live: _Live) -> None:
+        """This server's copy was superseded: forget it and destroy its sandbox."""
+        if self._live.get(live.id) is live:
+            self._live.pop(live.id, None)
+        if live.sandbox_id:
+            sid, live.sandbox_id = live.sandbox_id, None
+            try:
+                await self._drop_sandbox(live.id, sid)
+            except errors.DSecError as exc:
+                log.warning("episode %s: destroying superseded sandbox %s failed: %s", live.id, sid, exc)
+        await self._close_journal(live)
+
+    async def _create(self, episode_id: str, spec: SandboxSpec, epoch: int) -> EpisodeInfo:
         view = await self.host.image_view(spec)
         tracker = self._tune(FsTracker(in_image=image_lookup(view.lower_dirs),
                                        full_every=self.settings.checkpoint_full_every,
                                        level=self.settings.checkpoint_zstd_level))
-        live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker)
+        live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker, epoch=epoch)
         live.sandbox_id = await self._new_sandbox(episode_id, spec, [])
         try:
             live.journal = await self._open_journal(episode_id, b"")
@@ -303,9 +365,10 @@ class EpisodeEngine:
                                   "(Episode.open resumes it from its checkpoints)", episode_id=episode_id)
         return live
 
-    async def step(self, episode_id: str, step: int, req: ExecRequest) -> StepResult:
+    async def step(self, episode_id: str, step: int, req: ExecRequest, epoch: int | None = None) -> StepResult:
         live = self._get(episode_id)
         async with live.lock:
+            self._fence(live, epoch)
             n = len(live.records)
             if step < n:
                 rec = live.records[step]
@@ -395,8 +458,10 @@ class EpisodeEngine:
                 fs_chain=cap.chain, fs_manifest=cap.manifest_ref, fs_digest=cap.fs_digest,
                 trajectory=([] if compact else segments) + refs["trajectory"],
                 context=refs["context"][0] if refs["context"] else live.context,
-                weights_ref=live.weights_ref, meta=dict(live.user_meta))
+                weights_ref=live.weights_ref, meta=dict(live.user_meta), epoch=live.epoch)
             meta.inline = self._carry_inline(meta, inline, live.inline)
+            # Another server may have resumed the episode meanwhile: its owner record wins.
+            self._fence(live, None, self._stored_epoch(live.id))
             key = commit_unit(self.store, meta)
             keys = [*(live.unit_keys or []), (meta.seq, key)] if live.unit_keys is not None else None
             try:
@@ -410,9 +475,11 @@ class EpisodeEngine:
         t0 = time.perf_counter()
         try:
             meta = await asyncio.to_thread(write)
-        except BaseException:
+        except BaseException as exc:
             live.dirty = True
             self.counters["unit_failures"] += 1
+            if isinstance(exc, errors.EpisodeFenced):
+                await self._evict_stale(live)
             raise
         self.counters["units_written"] += 1
         self.counters["unit_seconds_total"] += time.perf_counter() - t0
@@ -452,7 +519,7 @@ class EpisodeEngine:
         self._deleter.submit(run)
 
     # --- context, explicit checkpoints, preemption -------------------------------------
-    async def save_context(self, episode_id: str, context: object) -> CheckpointRef:
+    async def save_context(self, episode_id: str, context: object, epoch: int | None = None) -> CheckpointRef:
         live = self._get(episode_id)
         raw = json.dumps(context, sort_keys=True).encode()
         if len(raw) > self.settings.checkpoint_max_context_bytes:
@@ -460,6 +527,7 @@ class EpisodeEngine:
                                          f"{self.settings.checkpoint_max_context_bytes} (checkpoint_max_context_bytes)")
         blob = zstandard.ZstdCompressor(level=self.settings.checkpoint_zstd_level).compress(raw)
         async with live.lock:
+            self._fence(live, epoch)
             await self._ensure_sandbox(live)
             meta = await self._write_unit(live, "context", context=blob)
         return self._ref(meta)
@@ -472,9 +540,10 @@ class EpisodeEngine:
         return json.loads(zstandard.ZstdDecompressor().decompress(raw))
 
     async def checkpoint(self, episode_id: str, weights_ref: str | None = None,
-                         meta: dict | None = None) -> CheckpointRef:
+                         meta: dict | None = None, epoch: int | None = None) -> CheckpointRef:
         live = self._get(episode_id)
         async with live.lock:
+            self._fence(live, epoch)
             await self._ensure_sandbox(live)
             if weights_ref is not None:
                 live.weights_ref = weights_ref
@@ -513,8 +582,14 @@ class EpisodeEngine:
             await self._ensure_sandbox(live)
         return self._info(live, resumed=True, restore_s=time.perf_counter() - t0)
 
-    async def close(self, episode_id: str) -> None:
-        """Destroy the episode's sandbox; its checkpoints stay (open resumes it)."""
+    async def close(self, episode_id: str, epoch: int | None = None) -> None:
+        """Destroy the episode's sandbox; its checkpoints stay (open resumes it).
+
+        A stale owner's close is fenced: it must not take the new owner's sandbox away.
+        """
+        live = self._live.get(episode_id)
+        if live is not None:
+            self._fence(live, epoch)
         live = self._live.pop(episode_id, None)
         if live is not None:
             async with live.lock:
@@ -552,6 +627,7 @@ class EpisodeEngine:
         return CheckpointRef(episode_id=meta.episode_id, seq=meta.seq, steps=meta.steps, fs_digest=meta.fs_digest)
 
     def _info(self, live: _Live, resumed: bool = False, restore_s: float = 0.0) -> EpisodeInfo:
-        return EpisodeInfo(id=live.id, steps=len(live.records), seq=live.seq, sandbox_id=live.sandbox_id,
+        return EpisodeInfo(id=live.id, epoch=live.epoch, steps=len(live.records), seq=live.seq,
+                           sandbox_id=live.sandbox_id,
                            fs_digest=live.tracker.fs_digest, has_context=live.context is not None,
                            weights_ref=live.weights_ref, resumed=resumed, restore_s=restore_s)

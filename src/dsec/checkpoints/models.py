@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dsec.models import ExecResult
 
@@ -16,6 +16,7 @@ class CheckpointRef(BaseModel):
 
 class EpisodeInfo(BaseModel):
     id: str
+    epoch: int = Field(0, description="Owner epoch of this open: pass it back on writes (fencing)")
     steps: int
     seq: int
     sandbox_id: str | None

@@ -84,6 +84,7 @@ class UnitMeta(BaseModel):
     context: PartRef | None = None
     weights_ref: str | None = None
     meta: dict = Field(default_factory=dict)
+    epoch: int = Field(0, ge=0, description="Owner epoch of the writer (fencing: see checkpoints.fencing)")
     inline: dict[str, str] = Field(
         default_factory=dict, description="Small parts embedded here (digest -> base64): one write "
         "instead of two. A unit carries every inline part it references, so retention never loses one")

@@ -9,23 +9,20 @@ The agent loop simply runs again from the start after any crash: every ``exec`` 
 step is already logged returns the logged result without running (the command must
 match, else ``errors.ReplayDiverged``), and the first new step runs live in a sandbox
 restored to exactly the state after the last logged step.
+
+Each ``open`` makes this handle the episode's owner (``info.epoch``); once another
+``open`` of the same id happens, this handle's writes raise ``errors.EpisodeFenced``.
+``dsec.AsyncEpisode`` is the asyncio twin (same requests: ``dsec.sdk._episode_ops``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-from urllib.parse import quote
+from typing import Any, Self
 
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.models import ExecRequest
+from dsec.sdk import _episode_ops as ops
 from dsec.sdk._client import Client
-from dsec.sdk._core import Call
-
-_EP = "/v1/episodes"
-
-
-def _p(episode_id: str) -> str:
-    return f"{_EP}/{quote(episode_id, safe='')}"
 
 
 class Episode:
@@ -39,14 +36,16 @@ class Episode:
     def open(cls, episode_id: str, image: str = "busybox", *, client: Client | None = None,
              **sandbox_args: Any) -> Episode:
         c = client or Client.default()
-        spec = SandboxSpec(image=image, **sandbox_args)
-        info = c._run(Call("POST", f"{_p(episode_id)}/open", lambda r: EpisodeInfo.model_validate_json(r.content),
-                           json={"spec": spec.model_dump(mode="json", exclude_none=True)}, idempotent=True))
-        return cls(info, c)
+        return cls(c._run(ops.open_(episode_id, image, sandbox_args)), c)
 
     @property
     def resumed(self) -> bool:
         return self.info.resumed
+
+    @property
+    def epoch(self) -> int:
+        """This handle's owner epoch (a newer ``open`` of the same id fences it)."""
+        return self.info.epoch
 
     @property
     def step(self) -> int:
@@ -56,38 +55,33 @@ class Episode:
     def exec(self, cmd: str | list[str], *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: str | None = None) -> StepResult:
         req = ExecRequest(cmd=cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
-        # Idempotent by construction: a retried step N returns the logged result of step N.
-        call = Call("POST", f"{_p(self.id)}/steps", lambda r: StepResult.model_validate_json(r.content),
-                    json={"step": self._next, "request": req.model_dump(mode="json", exclude_none=True)},
-                    idempotent=True, timeout=(timeout or 0) + self._c.config.timeout_s)
-        res = self._c._run(call)
+        res = self._c._run(ops.step(self.id, self.epoch, self._next, req, self._c.config.timeout_s))
         self._next += 1
         return res
 
     def save_context(self, context: Any) -> CheckpointRef:
-        return self._c._run(Call("PUT", f"{_p(self.id)}/context",
-                                 lambda r: CheckpointRef.model_validate_json(r.content), json=context,
-                                 idempotent=True))
+        return self._c._run(ops.save_context(self.id, self.epoch, context))
 
     def context(self) -> Any:
-        return self._c._run(Call("GET", f"{_p(self.id)}/context", lambda r: r.json(), idempotent=True))
+        return self._c._run(ops.context(self.id))
 
     def checkpoint(self, weights_ref: str | None = None, meta: dict[str, Any] | None = None) -> CheckpointRef:
-        return self._c._run(Call("POST", f"{_p(self.id)}/checkpoint",
-                                 lambda r: CheckpointRef.model_validate_json(r.content),
-                                 json={"weights_ref": weights_ref, "meta": meta or {}}, idempotent=True))
+        return self._c._run(ops.checkpoint(self.id, self.epoch, weights_ref, meta))
+
+    def refresh(self) -> EpisodeInfo:
+        """Re-read the episode's server-side state (steps logged, current epoch, sandbox)."""
+        return self._c._run(ops.info(self.id))
 
     def export(self) -> bytes:
         """The trajectory as zstd-compressed JSONL (``zstd -dc | jq`` readable)."""
-        return self._c._run(Call("GET", f"{_p(self.id)}/export", lambda r: r.content, idempotent=True))
+        return self._c._run(ops.export(self.id))
 
     def close(self) -> None:
         """Destroy the sandbox; the checkpoints stay, so ``open`` with this id resumes."""
-        self._c._run(Call("DELETE", _p(self.id), lambda r: None, idempotent=True))
+        self._c._run(ops.close(self.id, self.epoch))
 
-    def __enter__(self) -> Episode:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

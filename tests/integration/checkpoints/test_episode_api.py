@@ -110,3 +110,37 @@ def test_episodes_are_per_tenant(env):
     a.close()
     b.close()
     srv.stop()
+
+
+def test_async_episode_and_fencing_over_http(env):
+    """dsec.AsyncEpisode drives the same episode API; when another client opens the same
+    episode (the first was thought dead), the old handle gets EpisodeFenced (409) on its
+    next write, nothing of it is logged, and the new owner's loop replays and continues."""
+    import asyncio
+
+    import dsec
+    from dsec.sdk import AsyncClient
+    work, state, token = env
+    srv = Server(work, state)
+    url = f"http://127.0.0.1:{srv.port}"
+
+    async def go():
+        ac = AsyncClient(url=url, token=token)
+        old = await dsec.AsyncEpisode.open("fenced", image="bb", client=ac)
+        assert [(await old.exec(f"echo {i} >> /work/log && wc -l < /work/log")).stdout for i in range(2)] == \
+            ["1\n", "2\n"]
+        new = Episode.open("fenced", image="bb", client=Client(url=url, token=token))
+        assert new.epoch > old.epoch and new.info.steps == 2
+        with pytest.raises(errors.EpisodeFenced, match="newer owner"):
+            await old.exec("echo 2 >> /work/log && wc -l < /work/log")
+        with pytest.raises(errors.EpisodeFenced):
+            await old.close()
+        outs = [new.exec(f"echo {i} >> /work/log && wc -l < /work/log") for i in range(3)]
+        assert [o.replayed for o in outs] == [True, True, False] and outs[2].stdout == "3\n"
+        new.close()
+        async with await dsec.AsyncEpisode.open("fenced", image="bb", client=ac) as again:
+            assert again.resumed and (await again.exec("echo 0 >> /work/log && wc -l < /work/log")).replayed
+            assert (await again.refresh()).steps == 3
+        await ac.aclose()
+    asyncio.run(go())
+    srv.stop()
