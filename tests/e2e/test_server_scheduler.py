@@ -125,3 +125,26 @@ def test_scheduler_state_is_admin_only(srv: ServeProcess, tmp_path: Path) -> Non
         token = c.post("/v1/tenants", json={"name": "plain-sched"}).json()["token"]
     r = httpx.get(f"{srv.url}/v1/scheduler", headers={"authorization": f"Bearer {token}"})
     assert r.status_code == 403
+
+
+def test_declared_pool_is_built_and_handed_out(srv: ServeProcess) -> None:
+    """An operator declares a warm pool for a shape: it is built before any demand, shows
+    in GET /v1/pools, the next create of the shape is a hand-over, and size 0 removes it;
+    an unknown image is 404 naming it."""
+    shape = {**SMALL, "cpu": 0.25, "memory": "48M"}
+    with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
+        r = c.put("/v1/pools", json={"spec": shape, "size": 2})
+        assert r.status_code == 200 and r.json()["pools"][0]["floor"] == 2
+        for _ in range(300):
+            mine = [p for p in c.get("/v1/pools").json()["pools"] if p["memory"] == 48 << 20]
+            if mine and mine[0]["ready"] >= 2:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert mine[0]["ready"] >= 2 and mine[0]["cpu"] == 0.25
+        hits0 = _state(c)["stats"]["warm_hits"]
+        sb = c.post("/v1/sandboxes", json=shape).json()
+        assert _state(c)["stats"]["warm_hits"] == hits0 + 1
+        c.delete(f"/v1/sandboxes/{sb['id']}")
+        assert c.put("/v1/pools", json={"spec": shape, "size": 0}).json()["pools"][0]["floor"] == 0
+        missing = c.put("/v1/pools", json={"spec": {**shape, "image": "no-such-image:1"}, "size": 1})
+        assert missing.status_code == 404 and "no-such-image" in missing.text

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dsec.api.auth import require_admin
 from dsec.api.deps import Ctx
-from dsec.errors import NotFound
+from dsec.errors import InvalidArgument, NotFound
+from dsec.models import SandboxSpec
 
 router = APIRouter(tags=["scheduler"])
 
@@ -48,6 +49,32 @@ class SchedulerState(BaseModel):
     stats: dict[str, int]
 
 
+class PoolShape(BaseModel):
+    image: str
+    isolation: str
+    cpu: float
+    cpu_request: float
+    memory: int
+    disk: int
+    network: bool
+    floor: int
+    target: int
+    ready: int
+    creating: int
+
+
+class PoolList(BaseModel):
+    pools: list[PoolShape]
+
+
+class PoolFloor(BaseModel):
+    """Keep ``size`` sandboxes of this shape warm (pre-created, initialised), whatever the
+    recent demand; size 0 returns the shape to demand-driven sizing."""
+
+    spec: SandboxSpec
+    size: int = Field(ge=0, le=4096)
+
+
 def _driver(ctx: Any) -> Any:
     driver = ctx.svc.scheduler
     if driver is None:
@@ -81,3 +108,18 @@ async def scheduler_state(ctx: Ctx) -> SchedulerState:
     return SchedulerState(queue_depth=sched.depth(), queue_capacity=sched.s.queue_capacity,
                           backpressure=sched.bp.active, placements_per_s=round(sched.drain_rate, 2),
                           nodes=nodes, stats=dict(sched.stats))
+
+
+@router.get("/v1/pools", response_model=PoolList, summary="Warm pools per shape (admin)")
+async def pools(ctx: Ctx) -> PoolList:
+    require_admin(ctx.tenant)
+    return PoolList.model_validate(_driver(ctx).pool_status() or {"pools": []})
+
+
+@router.put("/v1/pools", response_model=PoolList, summary="Set a shape's minimum warm pool size (admin)")
+async def set_pool(body: PoolFloor, ctx: Ctx) -> PoolList:
+    require_admin(ctx.tenant)
+    if body.spec.network:
+        raise InvalidArgument("warm pools are built without an allow-list (network=None or []): the "
+                              "allow-list is applied at hand-over", field="spec.network")
+    return PoolList.model_validate(_driver(ctx).set_pool(body.spec, body.size))

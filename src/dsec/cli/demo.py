@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dsec.cli.common import err, handle_errors, out, percentile
-from dsec.cli.demo_tasks import EpisodeResult, run_episode
+from dsec.cli.demo_tasks import EPISODE_SHAPE, EpisodeResult, run_episode
 from dsec.config import Settings, load_settings
 from dsec.errors import DSecError
 
@@ -72,6 +72,56 @@ def _ensure_image(settings: Settings, image: str) -> None:
     with err.status(f"ensuring stock image {name!r} (first time builds it; cached afterwards)") as status:
         ensure_stock(ImageStore(settings.home / "images", settings), only=[name],
                      log=lambda m: status.update(f"image {name}: {m}"))
+
+
+async def _set_pool(image: str, size: int) -> dict[str, Any] | None:
+    """Declare (size > 0) or drop (0) a warm pool of the episodes' shape; None when the
+    server places without the scheduler or the token is not an admin's."""
+    import httpx
+
+    from dsec.sdk._config import resolve_config
+
+    cfg = resolve_config()
+    async with httpx.AsyncClient(base_url=cfg.url, headers={"authorization": f"Bearer {cfg.token}"},
+                                 timeout=60) as http:
+        r = await http.put("/v1/pools", json={"spec": {"image": image, **EPISODE_SHAPE}, "size": size})
+        if r.status_code in (403, 404):
+            return None
+        r.raise_for_status()
+        return r.json()["pools"][0]
+
+
+async def _warm_hits() -> int | None:
+    """The scheduler's warm hand-over counter (admin view), to report hits, not hopes."""
+    import httpx
+
+    from dsec.sdk._config import resolve_config
+
+    cfg = resolve_config()
+    async with httpx.AsyncClient(base_url=cfg.url, headers={"authorization": f"Bearer {cfg.token}"},
+                                 timeout=60) as http:
+        r = await http.get("/v1/scheduler")
+        return int(r.json()["stats"]["warm_hits"]) if r.status_code == 200 else None
+
+
+async def _warm_pool(image: str, n: int, live: bool, timeout_s: float = 180) -> dict[str, Any] | None:
+    """Keep n sandboxes of the episodes' shape warm and wait until they are (this is how a
+    rollout runs in production: its shape is declared before the episodes start). The
+    warm-up is cold creation and is reported on its own line, never hidden."""
+    t0 = time.perf_counter()
+    pool = await _set_pool(image, n)
+    if pool is None:
+        return None
+    progress = Progress(TextColumn("[bold]warming pool"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, disable=not live, transient=True)
+    with progress:
+        task = progress.add_task("warm", total=n)
+        while pool["ready"] < n and time.perf_counter() - t0 < timeout_s:
+            await asyncio.sleep(0.1)
+            pool = await _set_pool(image, n) or pool
+            progress.update(task, completed=min(n, pool["ready"]))
+    return {"size": n, "ready": pool["ready"], "seconds": round(time.perf_counter() - t0, 2),
+            "hits_before": await _warm_hits()}
 
 
 async def _run_all(n: int, image: str, run_id: str, live: bool) -> tuple[list[EpisodeResult], float]:
@@ -150,6 +200,10 @@ def _markdown(s: dict[str, Any]) -> str:
             ("sandbox start p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"])),
             ("exec p50 / p95 / p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"])),
             ("failed episodes", s["failed"])]
+    wp = s.get("warm_pool")
+    rows.append(("warm pool before the episodes", f"{wp['ready']}/{wp['size']} ready in {wp['seconds']} s (cold "
+                 f"creates); {wp['hits']} of {s['episodes']} starts were warm hand-overs" if wp else
+                 "none (every start above is a cold create)"))
     lines += [f"| {k} | {v} |" for k, v in rows]
     if s["errors"]:
         lines += ["", "## Failures", ""] + [f"- episode {e['episode']} ({e['task']}): {e['error']}"
@@ -178,6 +232,9 @@ def _summary_table(s: dict[str, Any]) -> Table:
     t.add_row("wall time", f"{s['wall_s']:.2f} s ({s['tool_calls_per_s']} calls/s)")
     t.add_row("start latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["start_ms"]))
     t.add_row("exec latency p50/p95/p99", "{p50} / {p95} / {p99} ms".format(**s["exec_ms"]))
+    wp = s.get("warm_pool")
+    t.add_row("warm pool (before episodes)", f"{wp['ready']}/{wp['size']} in {wp['seconds']} s; "
+              f"{wp['hits']}/{s['episodes']} starts warm" if wp else "none: cold starts")
     t.add_row("failed episodes", str(s["failed"]), style="red" if s["failed"] else None)
     return t
 
@@ -188,7 +245,10 @@ def register(app: typer.Typer) -> None:
     def demo(episodes: Optional[int] = typer.Option(None, "-n", "--episodes", help="Concurrent episodes"),
              image: Optional[str] = typer.Option(None, help="Image (default Settings.demo_image)"),
              report_dir: Optional[Path] = typer.Option(None, help="Where to write the report"),
-             as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON")) -> None:
+             as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON"),
+             warm: bool = typer.Option(True, "--warm/--cold",
+                                       help="Declare a warm pool of the episodes' shape first (production "
+                                            "path) or create every sandbox cold")) -> None:
         """Run concurrent scripted coding-agent episodes on the local server and report latencies."""
         settings = load_settings()
         n = episodes or settings.demo_episodes
@@ -202,12 +262,24 @@ def register(app: typer.Typer) -> None:
         try:
             _ensure_image(settings, img)
             run_id = "demo-" + uuid.uuid4().hex[:8]
-            results, wall = asyncio.run(_run_all(n, img, run_id, live=sys.stderr.isatty() and not as_json))
+            live = sys.stderr.isatty() and not as_json
+            pool = asyncio.run(_warm_pool(img, n, live)) if warm else None
+            if pool is not None and not live:
+                err.print(f"warm pool: {pool['ready']}/{pool['size']} sandboxes ready in {pool['seconds']} s")
+            try:
+                results, wall = asyncio.run(_run_all(n, img, run_id, live=live))
+            finally:
+                if pool is not None:
+                    after = asyncio.run(_warm_hits())
+                    before = pool.pop("hits_before")
+                    pool["hits"] = after - before if after is not None and before is not None else None
+                    asyncio.run(_set_pool(img, 0))
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
         summary = summarize(results, wall, img, run_id)
+        summary["warm_pool"] = pool
         d = _report_dir(report_dir, settings)
         stem = d / f"{run_id}"
         stem.with_suffix(".json").write_text(json.dumps(summary, indent=2))

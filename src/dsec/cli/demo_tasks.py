@@ -49,6 +49,9 @@ TASKS: dict[str, dict[str, str]] = {
     },
 }
 
+# Every episode's sandbox size; the demo keeps a warm pool of exactly this shape.
+EPISODE_SHAPE: dict[str, Any] = {"cpu": 0.5, "memory": "256M", "timeout": 600}
+
 
 def solution_file(task: str, buggy: bool) -> str:
     t = TASKS[task]
@@ -102,7 +105,7 @@ async def run_episode(index: int, image: str, run_id: str, client: Any, on_step:
         t0 = time.perf_counter()
         # No .pyc: a rewritten solution.py of the same size within the same second would
         # otherwise be shadowed by its stale bytecode (mtime+size check) — a real agent gotcha.
-        sb = await AsyncSandbox.create(image=image, cpu=0.5, memory="256M", timeout=600, client=client,
+        sb = await AsyncSandbox.create(image=image, **EPISODE_SHAPE, client=client,
                                        env={"PYTHONDONTWRITEBYTECODE": "1"},
                                        labels={"demo": run_id, "task": task})
         res.start_s = time.perf_counter() - t0

@@ -242,6 +242,28 @@ class SchedulerDriver:
             fut.exception()  # every waiter re-raises it; do not warn "never retrieved"
         raise err
 
+    def set_pool(self, spec: SandboxSpec, size: int) -> dict[str, object]:
+        """Keep ``size`` warm sandboxes of ``spec``'s shape ready (0 = demand-driven only)."""
+        if spec.image not in self.sched.images and self.image_resolver is not None:
+            layers, version = self.image_resolver(spec.image)
+            self.sched.register_image(spec.image, layers, version)
+        req = spec_to_request(self._default_to_fit(spec), "__pool__", "pool-floor", self.s)
+        self.sched.set_pool_floor(req, size)
+        self._wake.set()
+        return self.pool_status(req.shape)
+
+    def pool_status(self, shape: tuple | None = None) -> dict[str, object]:  # type: ignore[type-arg]
+        pools = self.sched.pools
+        if pools is None:
+            return {}
+        shapes = [shape] if shape is not None else sorted(set(pools.targets) | set(pools.demand.floors)
+                                                          | set(pools.free), key=str)
+        return {"pools": [{"image": sh[0], "isolation": sh[1], "cpu": sh[6] or sh[2], "cpu_request": sh[2],
+                           "memory": sh[3], "disk": sh[4], "network": sh[5],
+                           "floor": pools.demand.floors.get(sh, 0), "target": pools.targets.get(sh, 0),
+                           "ready": len(pools.free.get(sh, ())), "creating": pools.inflight.get(sh, 0)}
+                          for sh in shapes]}
+
     async def release(self, sandbox_id: str) -> None:
         """Destroy a sandbox the user is done with and free its capacity."""
         r = self.sched.running.get(sandbox_id)

@@ -254,6 +254,14 @@ class Scheduler:
         self.stats["cancelled"] = self.stats.get("cancelled", 0) + 1
         return True
 
+    def set_pool_floor(self, req: Request, size: int) -> None:
+        """Keep at least ``size`` warm members of ``req``'s shape (0 removes the floor)."""
+        if self.pools is None:
+            raise InvalidArgument("warm pools are disabled on this scheduler")
+        self._validate(req)
+        self.pools.demand.set_floor(req.shape, size)
+        self.pools.dirty.add(req.shape)
+
     def forget(self, request_id: str) -> None:
         """Drop a request id's ticket so the id may be submitted afresh."""
         self.tickets.pop(request_id, None)

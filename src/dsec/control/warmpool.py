@@ -58,6 +58,14 @@ class PoolDemand:
         self.factor = s.warm_pool_factor
         self.max_total = s.warm_pool_max_total
         self.shapes: dict[Shape, _Demand] = {}
+        # Operator-declared minimum sizes (a known rollout shape kept warm before demand).
+        self.floors: dict[Shape, int] = {}
+
+    def set_floor(self, shape: Shape, size: int) -> None:
+        if size <= 0:
+            self.floors.pop(shape, None)
+        else:
+            self.floors[shape] = size
 
     def observe(self, now: float, shape: Shape, tenant: str) -> None:
         b = int(now // self.bucket_s)
@@ -80,15 +88,16 @@ class PoolDemand:
 
     def target(self, now: float, shape: Shape) -> int:
         """Current target of one shape (O(1)); used between full plans."""
+        floor = self.floors.get(shape, 0)
         d = self.shapes.get(shape)
         if d is None:
-            return 0
+            return floor
         b = int(now // self.bucket_s)
         if d.bucket != b:
             d.close()
             d.bucket, d.count = b, 0
             d.per_tenant.clear()
-        return self._size(d.peak(b, self.nbuckets))
+        return max(floor, self._size(d.peak(b, self.nbuckets)))
 
     def targets(self, now: float) -> dict[Shape, int]:
         """Pool size per shape; shapes with no demand in the window get 0 and are forgotten."""
@@ -108,6 +117,8 @@ class PoolDemand:
         if total > self.max_total:
             scale = self.max_total / total
             out = {k: int(v * scale) for k, v in out.items()}
+        for shape, floor in self.floors.items():
+            out[shape] = max(out.get(shape, 0), floor)
         return out
 
 

@@ -184,3 +184,31 @@ def test_rightsizing_applied_at_submit_and_abnormal_flagged() -> None:
     s.submit(req("a", cpu=2, task_type="unit-tests"), 0.0)
     r = s.pending["a"]
     assert r.cpu == 4.0 and r.abnormal and s.stats["abnormal"] == 1
+
+
+def test_pool_floor_builds_members_before_any_demand_and_survives_plans() -> None:
+    """An operator-declared floor makes the pool pre-create that many members of the shape
+    with no demand seen, keeps them across full plans, and 0 removes the floor."""
+    s = sched(pools=True, warm_pool_plan_interval_s=1.0)
+    s.set_pool_floor(req("shape"), 3)
+    out = place_all(s, 0.05)
+    assert [p.kind for p in out].count("pool") == 3 and s.pools.size() == 3  # type: ignore[union-attr]
+    assert not [p for p in s.next_batch(5.0) if p.kind == "destroy"]
+    s.set_pool_floor(req("shape"), 0)
+    assert [p.kind for p in s.next_batch(10.0)].count("destroy") == 3
+
+
+def test_take_warm_now_only_when_nobody_of_the_shape_waits_ahead() -> None:
+    """The warm fast path hands a member over at submit, but never jumps a request of the
+    same shape already queued (it came first: batching and fair share decide)."""
+    s = sched(pools=True)
+    s.set_pool_floor(req("shape"), 2)
+    place_all(s, 0.05)
+    s.submit(req("a"), 1.0)
+    p = s.take_warm_now("a", 1.0)
+    assert p is not None and p.kind == "warm" and s.ticket("a").state == "created"
+    s.submit(req("b"), 1.1)
+    s.submit(req("c"), 1.1)
+    assert s.take_warm_now("c", 1.1) is None  # b of the same shape is queued ahead
+    assert s.take_warm_now("b", 1.1) is None  # two of a shape waiting: the batch orders them
+    assert s.ticket("b").state == "queued"
