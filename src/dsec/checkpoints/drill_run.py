@@ -297,18 +297,19 @@ def write_report(out: Path, cfg: DrillConfig, res: DrillResult) -> dict:
     fig.tight_layout()
     fig.savefig(out / "drill.png", dpi=90)
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"
+    cr, sr, bp = s["client_recovery_s"], s["server_restore_s"], s["bytes_checkpointed_per_step"]
     lines = ["# DSec recovery drill", "",
+             f"- host: {cfg.host_kind}, episodes per round: {cfg.episodes}, steps: {cfg.steps}",
              f"- faults injected: **{s['faults_injected']}** {s['faults_by_kind']}",
-             f"- episodes: {s['episodes']}, verified equal to fault-free run: **{s['episodes_verified']}** "
-             f"(success rate {fmt(s['recovery_success_rate'])})",
+             (f"- episodes: {s['episodes']}, verified equal to fault-free run: **{s['episodes_verified']}** "
+              f"(success rate {fmt(s['recovery_success_rate'])})"),
              f"- acknowledged steps re-executed: **{s['steps_reexecuted']}**",
-             f"- client time to recover p50/p99: {fmt(s['client_recovery_s']['p50'])} / "
-             f"{fmt(s['client_recovery_s']['p99'])} s (n={s['client_recovery_s']['n']})",
-             f"- server restore (open->sandbox ready) p50/p99: {fmt(s['server_restore_s']['p50'])} / "
-             f"{fmt(s['server_restore_s']['p99'])} s (n={s['server_restore_s']['n']})",
-             f"- checkpoint bytes/step: mean {fmt(s['bytes_checkpointed_per_step']['mean'])}, "
-             f"steps with no fs change: {s['bytes_checkpointed_per_step']['steps_without_fs_change']}",
+             f"- client time to recover p50/p99: {fmt(cr['p50'])} / {fmt(cr['p99'])} s (n={cr['n']})",
+             f"- server restore (open->sandbox ready) p50/p99: {fmt(sr['p50'])} / {fmt(sr['p99'])} s (n={sr['n']})",
+             (f"- checkpoint bytes/step: mean {fmt(bp['mean'])}, mean over steps changing files "
+              f"{fmt(bp['mean_changing'])}, steps with no fs change: {bp['steps_without_fs_change']}"),
              f"- checkpoint overhead (checkpoint s / step wall s, baseline): {fmt(s['checkpoint_overhead_fraction'])}",
+             f"- sandboxes/mounts left at the end (cleaned): {s['leaked_mounts_cleaned']}",
              f"- wall time: {s['wall_s']:.1f} s", "", "![plots](drill.png)", ""]
     if s["mismatched"]:
         lines += ["## Mismatches", ""] + [f"- {m}" for m in s["mismatched"]]

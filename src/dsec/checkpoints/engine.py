@@ -100,6 +100,7 @@ class EpisodeEngine:
         # Full checkpoints are squashed here, off the step path, from already-stored parts.
         self._squasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-squash")
         self._open_locks: dict[str, asyncio.Lock] = {}
+        self._reaping: dict[str, set[asyncio.Task]] = {}  # leftover sandboxes being destroyed
 
     # --- open / restore ---------------------------------------------------------------
     async def open(self, episode_id: str, spec: SandboxSpec | None = None) -> EpisodeInfo:
@@ -202,7 +203,9 @@ class EpisodeEngine:
                                        full_every=self.settings.checkpoint_full_every,
                                        level=self.settings.checkpoint_zstd_level))
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker, epoch=epoch)
+        orphans = await self._orphans(episode_id)  # of a create that crashed before its first unit
         live.sandbox_id = await self._new_sandbox(episode_id, spec, [])
+        self._reap_later(episode_id, orphans)
         try:
             live.journal = await self._open_journal(episode_id, b"")
             async with live.lock:
@@ -304,12 +307,15 @@ class EpisodeEngine:
             raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
         self._tune(tracker)
         lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
-        await self._drop_orphans(meta.episode_id)  # survivors of a crash may be ahead of the log
+        # Survivors of a crash may be ahead of the log: never reused, destroyed once the new
+        # sandbox exists (off the restore path; their store markers make it crash-proof).
+        orphans = await self._orphans(meta.episode_id)
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
                      user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
                      next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline), traj_bytes=traj_bytes)
         live.sandbox_id = await self._new_sandbox(meta.episode_id, spec, lowers)
+        self._reap_later(meta.episode_id, orphans)
         live.journal = await self._open_journal(meta.episode_id, traj_bytes)
         return live
 
@@ -333,10 +339,28 @@ class EpisodeEngine:
         await self.host.destroy(sandbox_id)
         await asyncio.to_thread(self.store.delete, self._marker(episode_id, sandbox_id))
 
-    async def _drop_orphans(self, episode_id: str) -> None:
+    async def _orphans(self, episode_id: str) -> list[str]:
         prefix = f"episodes/{episode_id}/sandboxes/"
-        for key in await asyncio.to_thread(self.store.list, prefix):
-            await self._drop_sandbox(episode_id, key[len(prefix):])
+        return [key[len(prefix):] for key in await asyncio.to_thread(self.store.list, prefix)]
+
+    def _reap_later(self, episode_id: str, sandbox_ids: list[str]) -> None:
+        async def reap() -> None:
+            for sid in sandbox_ids:
+                try:
+                    await self._drop_sandbox(episode_id, sid)
+                except Exception as exc:  # noqa: BLE001 - its marker stays: the next restore retries
+                    log.warning("episode %s: destroying leftover sandbox %s failed: %s", episode_id, sid, exc)
+        if sandbox_ids:
+            task = asyncio.get_running_loop().create_task(reap())
+            tasks = self._reaping.setdefault(episode_id, set())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _reaped(self, episode_id: str) -> None:
+        """Wait until the episode's leftover sandboxes are destroyed (close: leave nothing)."""
+        pending = list(self._reaping.get(episode_id, ()))
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _last_unit(self, live: _Live) -> UnitMeta:
         units = await asyncio.to_thread(complete_units, self.store, live.id)
@@ -596,6 +620,7 @@ class EpisodeEngine:
                 if live.sandbox_id:
                     await self._drop_sandbox(live.id, live.sandbox_id)
                 await self._close_journal(live)
+        await self._reaped(episode_id)
 
     async def forget(self, episode_id: str) -> None:
         """Drop in-memory state only (what a server crash does); for drills and tests."""

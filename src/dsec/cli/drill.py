@@ -22,14 +22,14 @@ def drill(
     steps: int = typer.Option(30, help="Steps per episode"),
     faults: int = typer.Option(100, help="Faults to inject in total (rounds repeat until reached)"),
     seed: int = typer.Option(1, help="Seed: same seed, same scripts and fault sequence"),
-    interval: float = typer.Option(0.4, help="Mean seconds between faults"),
+    interval: float = typer.Option(0.2, help="Mean seconds between faults"),
     kinds: str = typer.Option(",".join(["kill_server", "restart_server", "kill_sandbox", "fill_disk",
                                         "corrupt_replica", "cut_write"]), help="Fault kinds (comma-separated)"),
     tmpfs: str = typer.Option("256M", help="Size of the tmpfs used as the second checkpoint replica"),
     out_dir: Path = typer.Option(Path("drill-report"), "--out", help="Report directory (md, json, png)"),
     work: Path = typer.Option(None, help="Scratch dir (default: a new temp dir)"),
-    host: str = typer.Option("dir", help="Where episodes run: 'dir' (overlay+chroot, cheap faults) or "
-                                         "'node' (real runc sandboxes via the node agent)"),
+    host: str = typer.Option("node", help="Where episodes run: 'node' (real runc sandboxes via the node "
+                                          "agent) or 'dir' (overlay+chroot, no isolation; engine-only drills)"),
 ) -> None:
     """Run scripted episodes under random faults, resume them all, verify against a fault-free run."""
     from dsec.checkpoints.drill import FAULT_KINDS

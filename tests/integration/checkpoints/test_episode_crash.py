@@ -202,3 +202,25 @@ def test_episode_on_s3_store_resumes(work, reference, s3_store_factory):
     info, res, t, ctx = asyncio.run(_resume_and_finish(fresh))
     assert info.steps == 5
     _check_finished(reference, info, res, t, ctx)
+
+
+def test_crash_before_the_first_unit_leaves_no_sandbox_behind(work, reference):
+    """Killed while writing the episode's very first unit: no unit exists, so the next open
+    creates the episode afresh, and the sandbox the dead process made (recorded before it
+    existed) is destroyed rather than leaked."""
+    make_engine(work)
+    proc = subprocess.run([sys.executable, str(HERE / "ckpt_agent.py"), str(work), "ep", str(N)],
+                          env={**os.environ, "DSEC_FAULTS": "ckpt.after_parts=exit@1"}, timeout=120, check=False)
+    assert proc.returncode == FAULT_EXIT_CODE
+    eng = make_engine(work)
+    assert list_unit_keys(eng.store, "ep") == [] and len(eng.store.list("episodes/ep/sandboxes/")) == 1
+
+    async def go():
+        res = await run_agent(eng, "ep", N)   # opens with the agent's spec: a fresh episode
+        await eng.close("ep")
+        return res
+    res = asyncio.run(go())
+    assert not any(r.replayed for r in res)
+    assert [(r.stdout, r.exit_code, r.fs_digest) for r in res] == reference[0]
+    assert syscalls.mounts_under(str(work / "sbx")) == []
+    assert eng.store.list("episodes/ep/sandboxes/") == []
