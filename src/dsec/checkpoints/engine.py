@@ -282,13 +282,16 @@ class EpisodeEngine:
             return None
         return await asyncio.to_thread(traj.JournalWriter, self._journal_path(episode_id), initial)
 
-    async def _close_journal(self, live: _Live) -> None:
+    async def _close_journal(self, live: _Live, remove: bool = False) -> None:
+        """Stop the journal; ``remove`` (episode closed) deletes it: the units hold the trajectory."""
         j, live.journal = live.journal, None
         if j is not None:
             try:
                 await asyncio.to_thread(j.close)
             except OSError as exc:  # the units hold the trajectory; the journal is a local copy
                 log.warning("episode %s: closing its journal failed: %s", live.id, exc)
+        if remove:
+            self._journal_path(live.id).unlink(missing_ok=True)
 
     async def _restore(self, meta: UnitMeta) -> _Live:
         spec = SandboxSpec.model_validate(meta.spec)
@@ -619,7 +622,7 @@ class EpisodeEngine:
             async with live.lock:
                 if live.sandbox_id:
                     await self._drop_sandbox(live.id, live.sandbox_id)
-                await self._close_journal(live)
+                await self._close_journal(live, remove=True)
         await self._reaped(episode_id)
 
     async def forget(self, episode_id: str) -> None:

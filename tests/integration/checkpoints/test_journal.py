@@ -15,6 +15,7 @@ import zstandard
 from ckpt_agent import command, make_engine, run_agent
 
 from dsec.checkpoints.trajectory import read_journal
+from dsec.models import ExecRequest
 from dsec.node import syscalls
 from dsec.testing.faults import FAULT_EXIT_CODE
 
@@ -39,7 +40,8 @@ def _export(eng, ep="ep") -> list[dict]:
 
 def test_journal_equals_the_checkpointed_trajectory_and_restarts_on_restore(work):
     """Every committed step is in the journal exactly as in the checkpoint units (the unit
-    reuses the journal's frames), and a restored episode's journal restarts from its unit."""
+    reuses the journal's frames), a restored episode's journal restarts from its unit, and
+    closing the episode removes it (no per-episode file left on the node)."""
     eng = make_engine(work, full_every=3)   # compaction every 3 steps: concatenated frames
     asyncio.run(run_agent(eng, "ep", 7))
     path = eng._journal_path("ep")
@@ -49,10 +51,11 @@ def test_journal_equals_the_checkpointed_trajectory_and_restarts_on_restore(work
 
     async def more():
         await eng2.open("ep")
-        await eng2.step("ep", 7, __import__("dsec.models", fromlist=["ExecRequest"]).ExecRequest(cmd=command(7)))
+        await eng2.step("ep", 7, ExecRequest(cmd=command(7)))
+        assert read_journal(path) == _export(eng2) and [r["step"] for r in read_journal(path)] == list(range(8))
         await eng2.close("ep")
     asyncio.run(more())
-    assert read_journal(path) == _export(eng2) and [r["step"] for r in read_journal(path)] == list(range(8))
+    assert not path.exists()  # closed: the units hold the trajectory, the local copy goes
 
 
 def test_crash_between_journal_and_metadata_keeps_journal_consistent_after_resume(work):
