@@ -6,6 +6,7 @@ import json
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from netlab import Lab, all_tiers, tcp_probe
@@ -118,3 +119,30 @@ def test_connection_limit_per_sandbox(lab: Lab, sandboxes, sandbox_exec) -> None
         if held.poll() is None:
             held.kill()
     assert out.count("held") == lab.settings.net_max_connections
+
+
+@pytest.mark.gvisor
+@pytest.mark.parametrize("tier", ["gvisor"], indirect=True)
+def test_gvisor_sandbox_uses_its_netstack_and_leaves_nothing(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """On the gVisor tier the sandbox's address lives in gVisor's netstack (the slot's
+    kernel eth0 gives it up), and destroying the sandbox leaves no runsc process, no
+    helper mount (the root-netns-check workaround) and no slot behind."""
+    sid, att = sandboxes([f"{lab.a.addr}:8000"])
+    assert f"inet {att.address}/" in sandbox_exec(att, ["ip", "-4", "addr", "show", "eth0"], 10.0).stdout
+    kernel = subprocess.run(["nsenter", f"--net={att.netns_path}", "ip", "-4", "addr", "show", "eth0"],
+                            check=True, capture_output=True, text=True).stdout
+    assert att.address not in kernel
+    lab.call(sandboxes.node.destroy(sid))
+    sandboxes.by_slot.pop(att.slot)
+    names = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if sid.encode() in (d / "cmdline").read_bytes():
+                    names.append(d.name)
+                if "dsec-netstack" in (d / "mountinfo").read_text():
+                    names.append(f"{d.name} has the helper mount")
+            except OSError:
+                continue
+    assert names == []
+    assert lab.mgr.attachment(sid) is None and not Path(att.netns_path).exists()
