@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,14 @@ import zstandard
 
 from dsec import errors
 from dsec.blobs import BlobStore, sha256_hex
-from dsec.checkpoints import fencing
+from dsec.checkpoints import owners
 from dsec.checkpoints import trajectory as traj
+from dsec.checkpoints.episode_sandboxes import SandboxBook
 from dsec.checkpoints.fsdiff import image_lookup
-from dsec.checkpoints.fsstate import FsTracker, materialize, should_squash, squash_layers
+from dsec.checkpoints.fsstate import FsTracker, materialize
 from dsec.checkpoints.host import EpisodeHost, ImageView
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
+from dsec.checkpoints.squasher import BackgroundSquasher
 from dsec.checkpoints.unit import (
     PartRef,
     UnitMeta,
@@ -97,10 +98,10 @@ class EpisodeEngine:
         # Old units are deleted off the step's critical path; a crash before the delete
         # only leaves an extra old (complete) unit for the next retention pass.
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-retention")
-        # Full checkpoints are squashed here, off the step path, from already-stored parts.
-        self._squasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-squash")
+        # Full checkpoints are squashed off the step path, from already-stored parts.
+        self._squasher = BackgroundSquasher(store, settings, self.counters)
         self._open_locks: dict[str, asyncio.Lock] = {}
-        self._reaping: dict[str, set[asyncio.Task]] = {}  # leftover sandboxes being destroyed
+        self.sandboxes = SandboxBook(store, host)
 
     # --- open / restore ---------------------------------------------------------------
     async def open(self, episode_id: str, spec: SandboxSpec | None = None) -> EpisodeInfo:
@@ -114,17 +115,17 @@ class EpisodeEngine:
             live = self._live.get(episode_id)
             if live is not None:
                 async with live.lock:  # no write of the previous owner is half-way through
-                    live.epoch = await asyncio.to_thread(self._claim, episode_id, [live.epoch])
+                    live.epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [live.epoch])
                 return self._info(live)
-            units = await asyncio.to_thread(self._restorable, episode_id)
+            units = await asyncio.to_thread(owners.restorable, self.store, episode_id)
             if not units:
                 if await asyncio.to_thread(list_unit_keys, self.store, episode_id):
                     raise errors.CheckpointError(
                         f"episode {episode_id!r} has checkpoint units but none is complete; "
                         "inspect it with `dsec episode show` or delete it to start over")
-                epoch = await asyncio.to_thread(self._claim, episode_id, [])
+                epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [])
                 return await self._create(episode_id, spec or SandboxSpec(), epoch)
-            epoch = await asyncio.to_thread(self._claim, episode_id, [m.epoch for m in units])
+            epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [m.epoch for m in units])
             t0 = time.perf_counter()
             failures = []
             next_seq = 1 + max(seq for seq, _ in await asyncio.to_thread(list_unit_keys, self.store, episode_id))
@@ -145,45 +146,8 @@ class EpisodeEngine:
                 f"no checkpoint unit of episode {episode_id!r} could be restored ({'; '.join(failures)}); "
                 "nothing partial was restored", episode_id=episode_id)
 
-    # --- fencing --------------------------------------------------------------------------
-    def _owner_key(self, episode_id: str) -> str:
-        return f"episodes/{episode_id}/owner"
-
-    def _stored_epoch(self, episode_id: str) -> int | None:
-        try:
-            rec = fencing.OwnerRecord.decode(self.store.get(self._owner_key(episode_id)))
-        except errors.NotFound:
-            return None
-        return rec.epoch if rec is not None else None
-
-    def _claim(self, episode_id: str, unit_epochs: list[int]) -> int:
-        """Become the episode's newest owner: a new epoch, durable before anyone sees it."""
-        epoch = fencing.next_epoch(self._stored_epoch(episode_id), unit_epochs)
-        self.store.put(self._owner_key(episode_id), fencing.OwnerRecord(epoch=epoch, opened_at=time.time()).encode())
-        return epoch
-
-    def _restorable(self, episode_id: str) -> list[UnitMeta]:
-        """Complete units a restore may use, newest first (a fenced writer's units skipped)."""
-        units = complete_units(self.store, episode_id)
-        ok = fencing.valid_units([(m.seq, m.epoch) for m in units])
-        for m, good in zip(units, ok):
-            if not good:
-                log.warning("episode %s: unit %d was written by a fenced owner (epoch %d); ignored",
-                            episode_id, m.seq, m.epoch)
-        return sorted((m for m, good in zip(units, ok) if good), key=lambda m: (m.seq, m.epoch), reverse=True)
-
     def _fence(self, live: _Live, epoch: int | None, stored: int | None = None) -> None:
-        verdict = fencing.decide(epoch, live.epoch, stored)
-        if verdict is fencing.Fence.STALE_CLIENT:
-            raise errors.EpisodeFenced(
-                f"episode {live.id!r} was opened again by a newer owner (epoch {live.epoch}); this handle "
-                f"(epoch {epoch}) is stale and may not append to it: stop using it, or open the episode "
-                "again to take it over", episode_id=live.id, epoch=epoch, current_epoch=live.epoch)
-        if verdict is fencing.Fence.STALE_SERVER:
-            raise errors.EpisodeFenced(
-                f"episode {live.id!r} was resumed elsewhere (owner epoch {max(stored or 0, epoch or 0)}, this "
-                f"server holds epoch {live.epoch}); open it again to continue where its owner is",
-                episode_id=live.id, epoch=epoch, current_epoch=live.epoch)
+        owners.check_fence(live.id, epoch, live.epoch, stored)
 
     async def _evict_stale(self, live: _Live) -> None:
         """This server's copy was superseded: forget it and destroy its sandbox."""
@@ -192,7 +156,7 @@ class EpisodeEngine:
         if live.sandbox_id:
             sid, live.sandbox_id = live.sandbox_id, None
             try:
-                await self._drop_sandbox(live.id, sid)
+                await self.sandboxes.drop(live.id, sid)
             except errors.DSecError as exc:
                 log.warning("episode %s: destroying superseded sandbox %s failed: %s", live.id, sid, exc)
         await self._close_journal(live)
@@ -203,15 +167,15 @@ class EpisodeEngine:
                                        full_every=self.settings.checkpoint_full_every,
                                        level=self.settings.checkpoint_zstd_level))
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker, epoch=epoch)
-        orphans = await self._orphans(episode_id)  # of a create that crashed before its first unit
-        live.sandbox_id = await self._new_sandbox(episode_id, spec, [])
-        self._reap_later(episode_id, orphans)
+        orphans = await self.sandboxes.orphans(episode_id)  # of a create that crashed before its first unit
+        live.sandbox_id = await self.sandboxes.new(episode_id, spec, [])
+        self.sandboxes.reap_later(episode_id, orphans)
         try:
             live.journal = await self._open_journal(episode_id, b"")
             async with live.lock:
                 await self._write_unit(live, "open")
         except BaseException:
-            await self._drop_sandbox(episode_id, live.sandbox_id)
+            await self.sandboxes.drop(episode_id, live.sandbox_id)
             await self._close_journal(live)
             raise
         self._live[episode_id] = live
@@ -235,41 +199,9 @@ class EpisodeEngine:
         return tracker
 
     def _maybe_squash(self, live: _Live) -> None:
-        """Start squashing the chain into one full layer in the background, if it is due.
-
-        The job reads the layers already stored (or inline in the last unit), squashes
-        them and stores the result content-addressed (an identical squash is not copied
-        twice); the next unit references it in place of the layers it replaced. Until
-        then units keep the incremental chain, so a crash at any point loses nothing.
-        """
-        tracker = live.tracker
-        if not tracker.background or live.squashing is not None \
-                or not should_squash(tracker.chain, self.settings.checkpoint_full_every):
-            return
-        inputs, inline, level = list(tracker.chain), dict(live.inline), self.settings.checkpoint_zstd_level
-
-        def job() -> tuple:
-            t0 = time.perf_counter()
-            blob, full = squash_layers(inputs, lambda r: read_part(self.store, r, inline), tracker.in_image, level)
-            put_part(self.store, blob)
-            fault_point("ckpt.squash.after_put")
-            return full, time.perf_counter() - t0
-
-        fut = asyncio.get_running_loop().run_in_executor(self._squasher, job)
-        live.squashing = fut
-
-        def done(f: asyncio.Future) -> None:
-            live.squashing = None
-            if f.cancelled() or f.exception() is not None:
-                self.counters["squash_failures"] += 1
-                log.warning("episode %s: background squash failed (retried later): %s", live.id,
-                            None if f.cancelled() else f.exception())
-                return
-            full, secs = f.result()
-            tracker.offer_squash(inputs, full)
-            self.counters["squashes"] += 1
-            self.counters["squash_seconds_total"] += secs
-        fut.add_done_callback(done)
+        if live.tracker.background and live.squashing is None:
+            live.squashing = self._squasher.maybe_start(live.id, live.tracker, live.inline,
+                                                        lambda: setattr(live, "squashing", None))
 
     # --- local journal --------------------------------------------------------------------
     def _journal_path(self, episode_id: str) -> Path:
@@ -312,58 +244,15 @@ class EpisodeEngine:
         lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
         # Survivors of a crash may be ahead of the log: never reused, destroyed once the new
         # sandbox exists (off the restore path; their store markers make it crash-proof).
-        orphans = await self._orphans(meta.episode_id)
+        orphans = await self.sandboxes.orphans(meta.episode_id)
         live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
                      segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
                      user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
                      next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline), traj_bytes=traj_bytes)
-        live.sandbox_id = await self._new_sandbox(meta.episode_id, spec, lowers)
-        self._reap_later(meta.episode_id, orphans)
+        live.sandbox_id = await self.sandboxes.new(meta.episode_id, spec, lowers)
+        self.sandboxes.reap_later(meta.episode_id, orphans)
         live.journal = await self._open_journal(meta.episode_id, traj_bytes)
         return live
-
-    # --- sandbox bookkeeping: every sandbox an episode makes is recorded in the store, so
-    # whichever server resumes the episode destroys what a crashed one left behind.
-    def _marker(self, episode_id: str, sandbox_id: str) -> str:
-        return f"episodes/{episode_id}/sandboxes/{sandbox_id}"
-
-    async def _new_sandbox(self, episode_id: str, spec: SandboxSpec, lowers: list[Path]) -> str:
-        sid = "sb-" + uuid.uuid4().hex[:12]
-        # Recorded before it exists (DESIGN: record, then create): no crash can orphan it.
-        await asyncio.to_thread(self.store.put, self._marker(episode_id, sid), b"")
-        try:
-            await self.host.create(spec, lowers, sid)
-        except BaseException:
-            await asyncio.to_thread(self.store.delete, self._marker(episode_id, sid))
-            raise
-        return sid
-
-    async def _drop_sandbox(self, episode_id: str, sandbox_id: str) -> None:
-        await self.host.destroy(sandbox_id)
-        await asyncio.to_thread(self.store.delete, self._marker(episode_id, sandbox_id))
-
-    async def _orphans(self, episode_id: str) -> list[str]:
-        prefix = f"episodes/{episode_id}/sandboxes/"
-        return [key[len(prefix):] for key in await asyncio.to_thread(self.store.list, prefix)]
-
-    def _reap_later(self, episode_id: str, sandbox_ids: list[str]) -> None:
-        async def reap() -> None:
-            for sid in sandbox_ids:
-                try:
-                    await self._drop_sandbox(episode_id, sid)
-                except Exception as exc:  # noqa: BLE001 - its marker stays: the next restore retries
-                    log.warning("episode %s: destroying leftover sandbox %s failed: %s", episode_id, sid, exc)
-        if sandbox_ids:
-            task = asyncio.get_running_loop().create_task(reap())
-            tasks = self._reaping.setdefault(episode_id, set())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    async def _reaped(self, episode_id: str) -> None:
-        """Wait until the episode's leftover sandboxes are destroyed (close: leave nothing)."""
-        pending = list(self._reaping.get(episode_id, ()))
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _last_unit(self, live: _Live) -> UnitMeta:
         units = await asyncio.to_thread(complete_units, self.store, live.id)
@@ -377,7 +266,7 @@ class EpisodeEngine:
         """Give ``live`` a fresh sandbox equal to its last unit (after a failed unit or a stop)."""
         meta = await self._last_unit(live)
         if live.sandbox_id:
-            await self._drop_sandbox(live.id, live.sandbox_id)
+            await self.sandboxes.drop(live.id, live.sandbox_id)
             live.sandbox_id = None
         await self._close_journal(live)
         fresh = await self._restore(meta)
@@ -488,7 +377,7 @@ class EpisodeEngine:
                 weights_ref=live.weights_ref, meta=dict(live.user_meta), epoch=live.epoch)
             meta.inline = self._carry_inline(meta, inline, live.inline)
             # Another server may have resumed the episode meanwhile: its owner record wins.
-            self._fence(live, None, self._stored_epoch(live.id))
+            self._fence(live, None, owners.stored_epoch(self.store, live.id))
             key = commit_unit(self.store, meta)
             keys = [*(live.unit_keys or []), (meta.seq, key)] if live.unit_keys is not None else None
             try:
@@ -595,7 +484,7 @@ class EpisodeEngine:
                 meta = await self._last_unit(live)
             else:
                 meta = await self._write_unit(live, "preempt")
-            await self._drop_sandbox(live.id, sandbox_id)
+            await self.sandboxes.drop(live.id, sandbox_id)
             live.sandbox_id, live.dirty = None, False
         return self._ref(meta)
 
@@ -621,9 +510,9 @@ class EpisodeEngine:
         if live is not None:
             async with live.lock:
                 if live.sandbox_id:
-                    await self._drop_sandbox(live.id, live.sandbox_id)
+                    await self.sandboxes.drop(live.id, live.sandbox_id)
                 await self._close_journal(live, remove=True)
-        await self._reaped(episode_id)
+        await self.sandboxes.reaped(episode_id)
 
     async def forget(self, episode_id: str) -> None:
         """Drop in-memory state only (what a server crash does); for drills and tests."""
