@@ -79,7 +79,9 @@ class Settings(BaseSettings):
     # --- node capacity -------------------------------------------------------------
     node_cpu: float | None = Field(None, description="Schedulable CPUs (default: os.cpu_count())")
     node_memory: str | None = Field(None, description="Schedulable memory (default: MemTotal)")
-    node_disk: str | None = Field(None, description="Schedulable disk (default: free space of HOME)")
+    node_disk: str | None = Field(None, description="Schedulable disk quota (default: free space of HOME x disk_overprovision)")
+    disk_overprovision: float = Field(10.0, description="Writable layers are tmpfs, filled on write and charged to "
+                                                        "the sandbox's memory: quotas are thin-provisioned by this")
     node_max_sandboxes: int = Field(2000, description="Hard cap of live sandboxes per node")
 
     # --- images (SPEC §2) ------------------------------------------------------------

@@ -50,5 +50,6 @@ class RightSizer:
             return cpu, memory, False
         c, ab1 = self._one(self.cpu.get(task_type), cpu)
         m, ab2 = self._one(self.memory.get(task_type), float(memory))
-        # Round CPU to 1/100 so right-sized requests still group into few pool shapes.
-        return round(c, 2), int(m), ab1 or ab2
+        # Round a changed CPU to 1/100 so right-sized requests still group into few pool
+        # shapes; an unchanged request keeps its exact shape (it must match declared pools).
+        return (cpu if c == cpu else round(c, 2)), (memory if m == memory else int(m)), ab1 or ab2

@@ -75,8 +75,8 @@ class SandboxManager:
         self.before_teardown: list[Callable[[str], None]] = []
         self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
         self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
-        self.disk = parse_bytes(settings.node_disk) if settings.node_disk else shutil.disk_usage(
-            settings.home if settings.home.exists() else "/").free
+        self.disk = parse_bytes(settings.node_disk) if settings.node_disk else int(shutil.disk_usage(
+            settings.home if settings.home.exists() else "/").free * settings.disk_overprovision)
         self.isolations = [i for i, b in (("container", settings.runc_path), ("gvisor", settings.runsc_path))
                            if shutil.which(b)]
 

@@ -212,3 +212,14 @@ def test_take_warm_now_only_when_nobody_of_the_shape_waits_ahead() -> None:
     assert s.take_warm_now("c", 1.1) is None  # b of the same shape is queued ahead
     assert s.take_warm_now("b", 1.1) is None  # two of a shape waiting: the batch orders them
     assert s.ticket("b").state == "queued"
+
+
+def test_task_label_without_history_keeps_the_declared_pool_shape() -> None:
+    """A request naming a task type with no usage history is not re-rounded by the right-
+    sizer, so it still matches (and takes from) a pool declared for its exact shape."""
+    s = sched(pools=True)
+    s.set_pool_floor(req("shape", cpu=0.125), 1)
+    place_all(s, 0.05)
+    s.submit(req("a", cpu=0.125, task_type="fib"), 1.0)
+    p = s.take_warm_now("a", 1.0)
+    assert p is not None and p.kind == "warm"
