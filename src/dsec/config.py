@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
     client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")
     api_loop_lag_probe_s: float = Field(0.25, description="Event-loop lag is sampled this often (metric)")
+    # --- API event-loop priority (owner: service/API) ---
+    api_loop_nice: int = Field(-10, ge=-20, le=19, description="Nice of the API event-loop thread (children "
+                               "reset to 0); keeps the API responsive under sandbox load. 0 = leave as is")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 
