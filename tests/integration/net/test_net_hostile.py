@@ -127,3 +127,22 @@ def test_arp_and_mac_spoofing(lab: Lab, pair) -> None:
     _root(attacker, "ip", "link", "set", "eth0", "address", victim.mac)
     assert not tcp_probe(netns_exec, attacker, lab.a.addr, 8000)
     assert not tcp_probe(netns_exec, attacker, lab.a.addr, 8001)
+
+
+@pytest.mark.parametrize("tier", ["container", pytest.param("gvisor", marks=pytest.mark.gvisor)], indirect=True)
+def test_real_sandbox_cannot_rewire_its_network(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """Root in a real sandbox (default capabilities: no NET_ADMIN, no NET_RAW; on gVisor
+    its netstack enforces the same) cannot add a neighbour's address, change routes or
+    its MAC, nor send as the neighbour toward the neighbour's allowed destination."""
+    _, victim = sandboxes([f"{lab.a.addr}:8001"])
+    _, att = sandboxes([f"{lab.a.addr}:8000"])
+    for cmd in (f"ip addr add {victim.address}/32 dev eth0",
+                f"ip route add {lab.a.addr}/32 via {victim.gateway}",
+                "ip link set eth0 address 02:00:00:00:00:01",
+                "ip link set eth0 down"):
+        r = sandbox_exec(att, ["sh", "-c", cmd], 10.0)
+        assert r.returncode != 0, f"{cmd!r} succeeded inside the sandbox"
+    spoof = sandbox_exec(att, ["busybox", "nc", "-s", victim.address, "-w", "2", lab.a.addr, "8001"], 8.0)
+    assert "ok" not in spoof.stdout
+    assert tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own access still works
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8001)
