@@ -172,16 +172,22 @@ class SandboxService:
         except NotFound:
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
                 return SandboxInfo.model_validate({**rec.info, "state": SandboxState.destroyed})
+        rid = spec.request_id
+
+        def complete(info: SandboxInfo) -> None:
+            self.state.idem_complete(tenant.name, rid, info.model_dump(mode="json"))
+
         try:
-            info = await self._create_new(tenant, spec, rec.sandbox_id, creator)
+            return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete)
         except DSecError:
             await asyncio.to_thread(self.state.idem_delete, tenant.name, spec.request_id)  # retry afresh
             raise
-        await asyncio.to_thread(self.state.idem_complete, tenant.name, spec.request_id, info.model_dump(mode="json"))
-        return info
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
-                          creator: Creator | None = None) -> SandboxInfo:
+                          creator: Creator | None = None,
+                          finish: Callable[[SandboxInfo], None] | None = None) -> SandboxInfo:
+        """``finish`` runs in the same worker-thread hop as the post-create state writes
+        (one hop, not three, on the hand-over path that must take milliseconds)."""
         self._inflight += 1
         self.metrics.inflight_creates.set(self._inflight)
         t0 = time.perf_counter()
@@ -202,10 +208,19 @@ class SandboxService:
             self._creating.discard(sandbox_id)
             self._inflight -= 1
             self.metrics.inflight_creates.set(self._inflight)
-        if info.id != sandbox_id:  # warm-pool hand-over: the user owns the pool member
-            await asyncio.to_thread(self.state.record_sandbox, info.id, tenant.name, time.time())
+        handed_over = info.id != sandbox_id  # warm-pool hand-over: the user owns the pool member
+
+        def record_outcome() -> None:
+            if handed_over:
+                self.state.record_sandbox(info.id, tenant.name, time.time())
+                self.state.mark_dead([sandbox_id], time.time())
+            if finish is not None:
+                finish(info)
+
+        if handed_over or finish is not None:
+            await asyncio.to_thread(record_outcome)
+        if handed_over:
             self._owners[info.id] = tenant.name
-            await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
             self._owners.pop(sandbox_id, None)
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
