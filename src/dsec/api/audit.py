@@ -160,8 +160,12 @@ class _DeniedNetwork:
         """Teardown hook: the sandbox's last attempts and its summary, before detach."""
         t = self.tracked.get(sandbox_id)
         if t is None:
-            if not self.source(sandbox_id, 0):
-                return  # no network or nothing refused: nothing to write
+            try:
+                if not self.source(sandbox_id, 0):
+                    return  # no network or nothing refused: nothing to write
+            except Exception:
+                log.debug("reading denied attempts of %s failed", sandbox_id, exc_info=True)
+                return
             tenant = self.audit._state.sandbox_owner(sandbox_id)
             if tenant is None:
                 return  # not created through the API: no audit log to write to
