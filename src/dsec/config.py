@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     # --- API event-loop priority (owner: service/API) ---
     api_loop_nice: int = Field(-10, ge=-20, le=19, description="Nice of the API event-loop thread (children "
                                "reset to 0); keeps the API responsive under sandbox load. 0 = leave as is")
+    api_exec_slots: int = Field(32, ge=1, description="Execs started at once; more wait (bounded by "
+                                "api_exec_slot_hold_s) so a burst cannot flood one loop iteration")
+    api_exec_slot_hold_s: float = Field(0.05, gt=0, description="An exec frees its slot after this long even "
+                                        "if still running: long commands never block others")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
 

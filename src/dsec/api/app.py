@@ -3,6 +3,7 @@ routes need hangs off ``app.state.services``."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sand
 from dsec.api.errors import install_error_handlers
 from dsec.api.hotpath import HotPath
 from dsec.api.metrics import Metrics
+from dsec.api.priority import boost_server_threads
 from dsec.api.services import Services
 
 Scope = MutableMapping[str, Any]
@@ -61,6 +63,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
+            boost_server_threads(asyncio.get_running_loop(), services.settings.api_loop_nice)
             await services.start()
         try:
             yield

@@ -10,7 +10,11 @@
 3. Load, against a separate ``dsec serve`` process: one asyncio client drives
    ``sandboxes`` concurrent sandboxes x ``execs`` execs each: throughput and p50/p99,
    while a separate process probes ``GET /health`` every ``probe_interval_s`` (p99
-   overall, during the create burst and during the exec phase).
+   overall, during the create burst and during the exec phase) and, right after each
+   probe, the same endpoint of an idle reference server with the same HTTP stack: the
+   baseline that shows what the machine itself adds. The server's own event-loop lag
+   histogram is reported too (lag = work on the loop; latency without lag = CPU
+   contention outside it).
 
 Run: ``python -m dsec.bench.api [--sandboxes 200 --execs 50]`` (root; needs busybox).
 """
@@ -34,6 +38,12 @@ from typing import Any
 # cpu=1: with a fractional CPU the CFS quota (e.g. 1 ms per 100 ms period at cpu=0.01)
 # throttles even `true` to ~100 ms, and that noise, not the API, would be measured.
 SPEC = {"image": "busybox", "cpu": 1, "memory": "32M", "timeout": 3600}
+
+
+# The load measures the API serving execs, not placement: creates go straight to the
+# node, so 200 one-CPU sandboxes fit a 2-core machine (the scheduler would, rightly,
+# admit only ~2; and fractional CPUs make CFS throttling the measured quantity).
+LOAD_SERVER_ENV = {"DSEC_API_SCHEDULER": "0"}
 
 
 def _stats(samples_s: list[float]) -> dict[str, float]:
@@ -124,12 +134,20 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     return out
 
 
-def _probe(url: str, interval: float, stop: Any, q: Any) -> None:
+def _probe(url: str, ref_url: str, interval: float, stop: Any, q: Any) -> None:
+    """GET /health of the server, then of the idle reference server, every ``interval``.
+
+    The prober runs boosted (nice -10, when root) so that what it measures is the servers,
+    not its own wait for a CPU on a busy machine."""
     import httpx
 
+    from dsec.api.priority import boost_current_thread
+    boost_current_thread(-10)
+
     lat: list[tuple[float, float]] = []  # (wall clock at send, latency)
+    ref: list[float] = []
     errors = 0
-    with httpx.Client(base_url=url, timeout=10) as c:
+    with httpx.Client(base_url=url, timeout=10) as c, httpx.Client(base_url=ref_url, timeout=10) as r:
         while not stop.is_set():
             at, t0 = time.time(), time.perf_counter()
             try:
@@ -137,8 +155,39 @@ def _probe(url: str, interval: float, stop: Any, q: Any) -> None:
                 lat.append((at, time.perf_counter() - t0))
             except httpx.HTTPError:
                 errors += 1
+            t0 = time.perf_counter()
+            try:
+                r.get("/health").raise_for_status()
+                ref.append(time.perf_counter() - t0)
+            except httpx.HTTPError:
+                pass
             time.sleep(interval)
-    q.put({"latencies": lat, "errors": errors})
+    q.put({"latencies": lat, "reference": ref, "errors": errors})
+
+
+def _reference_server(port: int) -> None:
+    """Baseline for /health: the same stack (uvicorn, uvloop, httptools) serving a constant
+    /health with nothing else to do. Its latency, probed in the same run by the same
+    prober, is what the machine itself adds (CPU contention, the prober's own wake-ups)."""
+    import uvicorn
+
+    body = b'{"status":"ok"}'
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", lifespan="off",
+                log_level="warning", access_log=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval: float) -> dict[str, Any]:
@@ -150,7 +199,12 @@ async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval
         # --- load: N sandboxes x M execs from this one client, /health probed elsewhere ---
         ctx = mp.get_context("spawn")
         stop, q = ctx.Event(), ctx.Queue()
-        prober = ctx.Process(target=_probe, args=(url, probe_interval, stop, q), daemon=True)
+        ref_port = _free_port()
+        reference = ctx.Process(target=_reference_server, args=(ref_port,), daemon=True)
+        reference.start()
+        await _wait_up(f"http://127.0.0.1:{ref_port}")
+        prober = ctx.Process(target=_probe, args=(url, f"http://127.0.0.1:{ref_port}", probe_interval, stop, q),
+                             daemon=True)
         prober.start()
         label = {"bench": f"api-{os.getpid()}"}
         t0 = time.perf_counter()
@@ -178,31 +232,72 @@ async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval
             ids = await asyncio.gather(*(create_one() for _ in range(sandboxes)))
             create_wall = time.perf_counter() - t0
             w1 = time.time()
+            lag0 = await _loop_lag_buckets(c)
             t1 = time.perf_counter()
             await asyncio.gather(*(drive(s) for s in ids))
             exec_wall = time.perf_counter() - t1
+            lag1 = await _loop_lag_buckets(c)
         finally:  # never leave the benchmark's sandboxes behind, even on failure
             stop.set()
             killed = await c.kill_by_labels(label)
         probe = await asyncio.to_thread(q.get, True, 30)
         prober.join(10)
+        reference.terminate()
+        reference.join(10)
         res["load"] = {
             "sandboxes": sandboxes, "execs_per_sandbox": execs, "creates": _stats(create_lat),
             "create_wall_s": round(create_wall, 3), "creates_per_s": round(sandboxes / create_wall, 1),
             "exec": _stats(lat), "exec_wall_s": round(exec_wall, 3),
             "execs_per_s": round(len(lat) / exec_wall, 1), "exec_failures": failures,
             "health_during_load": _stats([x for _, x in probe["latencies"]]) | {"errors": probe["errors"]},
+            "health_reference_idle_server": _stats(probe["reference"]),
             # Split by phase: create bursts vs the exec phase (different parts of the node work).
             "health_during_creates": _stats([x for at, x in probe["latencies"] if w0 <= at < w1]),
             "health_during_execs": _stats([x for at, x in probe["latencies"] if at >= w1]),
             "killed": len(killed),
+            "server_loop_lag_during_execs": _lag_shares(lag0, lag1),
         }
     return res
+
+
+async def _wait_up(url: str) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=1) as c:
+        for _ in range(200):
+            try:
+                (await c.get("/health")).raise_for_status()
+                return
+            except httpx.HTTPError:
+                await asyncio.sleep(0.05)
+    raise RuntimeError(f"reference server at {url} did not start")
+
+
+async def _loop_lag_buckets(c: Any) -> dict[str, float]:
+    """Cumulative buckets of the server's ``dsec_event_loop_lag_seconds`` histogram (how
+    late its loop runs a timer; ``+Inf`` = sample count)."""
+    text = (await c._http.get("/metrics")).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dsec_event_loop_lag_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _lag_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Lag between two snapshots: lag means work ON the loop (or the loop thread waiting
+    for a CPU); /health latency without lag is queueing outside the loop."""
+    n = after.get("+Inf", 0.0) - before.get("+Inf", 0.0)
+    shares = {f"share_le_{le}s": round((after[le] - before.get(le, 0.0)) / n, 4)
+              for le in ("0.005", "0.01", "0.025", "0.05", "0.1") if n and le in after}
+    return {"samples": int(n), **shares}
 
 
 def _start_server(home: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
     env["DSEC_HOME"] = str(home)
+    env.update(LOAD_SERVER_ENV)
     (home / "server.json").unlink(missing_ok=True)
     log = open(home / "bench-serve.log", "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "serve", "--port", "0", "--log-level",
@@ -237,7 +332,9 @@ def run(home: Path | str | None = None, sandboxes: int = 200, execs: int = 50, s
     home = Path(home)
     try:
         ensure_stock(ImageStore(home / "images", Settings(home=home)), only=["busybox"], log=lambda _: None)
-        result: dict[str, Any] = {"overhead": uvloop.run(_overhead(home, samples, warmup))}
+        result: dict[str, Any] = {}
+        if samples > 0:
+            result["overhead"] = uvloop.run(_overhead(home, samples, warmup))
         if sandboxes > 0:
             proc, url, token = _start_server(home)
             try:

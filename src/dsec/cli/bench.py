@@ -72,8 +72,9 @@ def recovery(out: Path = typer.Option(Path("reports"), help="report directory"),
 
 
 @app.command()
-def api(sandboxes: int = typer.Option(200, help="concurrent sandboxes"),
-        execs: int = typer.Option(50, help="execs per sandbox")) -> None:
+def api(sandboxes: int = typer.Option(200, help="concurrent sandboxes (0: skip the load part)"),
+        execs: int = typer.Option(50, help="execs per sandbox"),
+        samples: int = typer.Option(300, help="paired overhead samples (0: skip the overhead part)")) -> None:
     """SDK-over-HTTP overhead and one asyncio client driving many sandboxes."""
     from dsec.bench.api import run
-    _emit(run(sandboxes=sandboxes, execs=execs), Path("reports"), "api-bench")
+    _emit(run(sandboxes=sandboxes, execs=execs, samples=samples), Path("reports"), "api-bench")

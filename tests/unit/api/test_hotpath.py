@@ -56,3 +56,31 @@ async def test_hot_path_matches_fastapi_routes(tmp_path: Path) -> None:
             assert set(h) == {"status", "version", "node", "uptime_s"} and h["status"] == "ok"
     finally:
         await env.services.close()
+
+
+async def test_exec_slots_never_block_behind_a_long_command(tmp_path: Path) -> None:
+    """With one exec slot, a command that runs long frees its slot after the hold time, so a
+    short exec behind it finishes first instead of waiting for it."""
+    import asyncio
+
+    env = await make_env(tmp_path, api_exec_slots=1, api_exec_slot_hold_s=0.05)
+    try:
+        sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+        gate = asyncio.Event()
+        real_exec = env.node.exec
+
+        async def exec_(sandbox_id, req):  # type: ignore[no-untyped-def]
+            if req.cmd == "long":
+                await gate.wait()
+            return await real_exec(sandbox_id, req)
+
+        env.node.exec = exec_  # type: ignore[method-assign]
+        long = asyncio.create_task(env.alice.post(f"/v1/sandboxes/{sb['id']}/exec", json={"cmd": "long"}))
+        await asyncio.sleep(0.01)
+        short = await asyncio.wait_for(env.alice.post(f"/v1/sandboxes/{sb['id']}/exec",
+                                                      json={"cmd": "echo hi"}), 5)
+        assert short.status_code == 200 and not long.done()
+        gate.set()
+        assert (await long).status_code == 200
+    finally:
+        await env.services.close()
