@@ -148,3 +148,42 @@ def test_declared_pool_is_built_and_handed_out(srv: ServeProcess) -> None:
         assert c.put("/v1/pools", json={"spec": shape, "size": 0}).json()["pools"][0]["floor"] == 0
         missing = c.put("/v1/pools", json={"spec": {**shape, "image": "no-such-image:1"}, "size": 1})
         assert missing.status_code == 404 and "no-such-image" in missing.text
+
+
+@pytest.fixture(scope="module")
+def small_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A server whose node offers 4G of memory: two 3G sandboxes cannot both run."""
+    home = tmp_path_factory.mktemp("dsec-preempt")
+    ensure_images(home, ["busybox"])
+    s = start_serve(home, {"DSEC_NODE_MEMORY": "4G", "DSEC_API_CREATE_WAIT_S": "20"})
+    try:
+        yield s
+    finally:
+        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
+            for sb in c.get("/v1/sandboxes").json():
+                c.delete(f"/v1/sandboxes/{sb['id']}")
+        s.stop()
+        reap_home(home)
+
+
+def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_node: ServeProcess) -> None:
+    """A high-priority create on a full node preempts the low-priority sandbox: its files
+    are checkpointed first, operations on it answer 503 + Retry-After (nothing runs), and
+    when capacity returns it comes back under the same id with its files intact."""
+    big = {"image": "busybox", "memory": "3G", "cpu": 0.5, "timeout": 300}
+    with httpx.Client(base_url=small_node.url, headers=_auth(small_node), timeout=120) as c:
+        low = c.post("/v1/sandboxes", json={**big, "priority": "low"}).json()
+        c.put(f"/v1/sandboxes/{low['id']}/files", params={"path": "/work/state.txt"}, content=b"step 7\n")
+        high = c.post("/v1/sandboxes", json={**big, "priority": "high"})
+        assert high.status_code == 201, high.text
+        r = c.post(f"/v1/sandboxes/{low['id']}/exec", json={"cmd": "echo hi"})
+        assert r.status_code == 503 and "preempted" in r.json()["message"] and float(r.headers["retry-after"]) > 0
+        assert _state(c)["stats"]["preemptions"] == 1
+        assert c.delete(f"/v1/sandboxes/{high.json()['id']}").status_code == 204
+        for _ in range(300):
+            r = c.post(f"/v1/sandboxes/{low['id']}/exec", json={"cmd": "cat /work/state.txt"})
+            if r.status_code == 200:
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        assert r.status_code == 200 and r.json()["stdout"] == "step 7\n"
+        assert c.delete(f"/v1/sandboxes/{low['id']}").status_code == 204

@@ -78,6 +78,23 @@ def _scheduler(settings: Settings, node: Any, images: Any) -> Any:
                            image_resolver=resolve if images is not None else None, usage_probe=probe)
 
 
+def enable_preemption(services: Services, checkpoints: Any) -> None:
+    """Preemption needs a way to save and bring back each victim: sandbox checkpoints.
+    Without them (no local node manager) the scheduler never preempts."""
+    driver = services.scheduler
+    if driver is None or checkpoints is None:
+        return
+
+    async def checkpoint(tenant: str, sandbox_id: str) -> str:
+        return (await checkpoints.checkpoint(tenant, sandbox_id)).id
+
+    async def resume(tenant: str, checkpoint_id: str, sandbox_id: str) -> Any:
+        spec, create = await checkpoints.prepare_restore(tenant, checkpoint_id)
+        return await create(spec, sandbox_id, tenant)
+
+    driver.enable_preemption(checkpoint, resume)
+
+
 def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level: str = "info") -> Any:
     import uvicorn
 
@@ -99,6 +116,7 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     services = services or build_embedded(settings)
     ensure_local_token(services)
     app = create_app(services)
+    enable_preemption(services, getattr(app.state, "checkpoints", None))
     server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level))
 
     def _on_signal(sig: int, _frame: object) -> None:

@@ -20,7 +20,15 @@ from typing import Any
 from dsec.api.audit import AuditLog
 from dsec.api.metrics import Metrics
 from dsec.config import Settings, parse_bytes
-from dsec.errors import DSecError, Forbidden, InvalidArgument, NotFound, Overloaded, QuotaExceeded
+from dsec.errors import (
+    DSecError,
+    Forbidden,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    TransientError,
+)
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import SandboxState
 from dsec.node.api import ExecEvent, NodeAgent
@@ -62,6 +70,9 @@ class SandboxService:
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
         self._tenant_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._idem_locks: dict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Set by the scheduler: preempted sandboxes awaiting resumption (ops answer 503).
+        self.preempted: Callable[[str], float | None] | None = None
+        self.forget_preempted: Callable[[str], Awaitable[bool]] | None = None
 
     def set_placement(self, creator: Creator, destroyer: Destroyer | None = None) -> None:
         """Route creates (and kills) through another placement path: the scheduler driver."""
@@ -136,6 +147,10 @@ class SandboxService:
                 self._owners[sandbox_id] = owner
         if owner != tenant.name:
             raise _not_found(sandbox_id)
+        if self.preempted is not None and (wait := self.preempted(sandbox_id)) is not None:
+            raise TransientError(f"sandbox {sandbox_id} was preempted by a higher-priority request; its "
+                                 "checkpoint is queued to resume under the same id: retry after the "
+                                 "Retry-After delay (nothing was run)", retry_after=wait, sandbox_id=sandbox_id)
 
     # --- create ------------------------------------------------------------------
     async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
@@ -238,8 +253,13 @@ class SandboxService:
         return await self.node.list(labels=labels or None, tenant=tenant.name)
 
     async def kill(self, tenant: TenantRecord, sandbox_id: str) -> None:
-        await self._owned(tenant, sandbox_id)
-        await self._destroyer(sandbox_id)
+        try:
+            await self._owned(tenant, sandbox_id)
+        except TransientError:  # preempted and queued: killing it withdraws the resumption
+            assert self.forget_preempted is not None
+            await self.forget_preempted(sandbox_id)
+        else:
+            await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
         await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)

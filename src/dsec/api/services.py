@@ -84,6 +84,8 @@ class Services:
 
         self.scheduler = driver
         self.sandboxes.set_placement(driver.create, destroy)
+        self.sandboxes.preempted = driver.preempted
+        self.sandboxes.forget_preempted = driver.forget_preempted
 
     async def start(self) -> None:
         await self.node.start()

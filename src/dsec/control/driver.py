@@ -33,7 +33,10 @@ from dsec.node.api import NodeAgent
 
 log = logging.getLogger(__name__)
 
-CheckpointHook = Callable[[str, str], Awaitable[None]]  # (node_id, sandbox_id) before a preemption stop
+# Preemption on a real node: (tenant, sandbox_id) -> checkpoint id, taken before the stop;
+# (tenant, checkpoint_id, sandbox_id) -> the victim re-created from it under the same id.
+PreemptCheckpoint = Callable[[str, str], Awaitable[str]]
+PreemptResume = Callable[[str, str, str], Awaitable[SandboxInfo]]
 ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
 UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
 POOL_LABEL = "dsec.pool"
@@ -66,12 +69,15 @@ def cpu_request(limit: float, s: Settings) -> float:
 
 class SchedulerDriver:
     def __init__(self, scheduler: Scheduler, agents: Mapping[str, NodeAgent], settings: Settings, *,
-                 checkpoint_hook: CheckpointHook | None = None, image_resolver: ImageResolver | None = None,
+                 image_resolver: ImageResolver | None = None,
                  usage_probe: UsageProbe | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.sched = scheduler
         self.agents = dict(agents)
         self.s = settings
-        self.checkpoint_hook = checkpoint_hook
+        self._checkpoint: PreemptCheckpoint | None = None
+        self._resume: PreemptResume | None = None
+        self._preempted: dict[str, tuple[str, str]] = {}  # victim sandbox id -> (tenant, checkpoint id)
+        self.sched.preemption = False  # until enable_preemption: a victim must be resumable
         self.image_resolver = image_resolver
         self.usage_probe = usage_probe
         self.clock = clock
@@ -150,6 +156,29 @@ class SchedulerDriver:
                         await agent.destroy(info.id)
                     except Exception:  # noqa: BLE001
                         log.exception("destroying pool member %s failed", info.id)
+
+    def enable_preemption(self, checkpoint: PreemptCheckpoint, resume: PreemptResume) -> None:
+        """Let high-priority requests preempt lower-priority sandboxes: each victim is
+        checkpointed, stopped, queued, and re-created from its checkpoint under the same
+        sandbox id when capacity returns (its user's handle stays valid)."""
+        self._checkpoint, self._resume = checkpoint, resume
+        self.sched.preemption = self.s.preemption_enabled
+
+    def preempted(self, sandbox_id: str) -> float | None:
+        """Seconds to wait before retrying an operation on a preempted sandbox awaiting its
+        resumption, or None when it is not preempted."""
+        if sandbox_id not in self._preempted:
+            return None
+        return max(self.s.retry_after_min_s, round(self.sched.depth() / max(self.sched.drain_rate, 1.0), 1))
+
+    async def forget_preempted(self, sandbox_id: str) -> bool:
+        """The user killed a preempted sandbox: withdraw its resumption."""
+        if self._preempted.pop(sandbox_id, None) is None:
+            return False
+        for rid, req in list(self.sched.pending.items()):
+            if req.resume_of == sandbox_id:
+                self.sched.cancel(rid)
+        return True
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
@@ -375,15 +404,37 @@ class SchedulerDriver:
             for sid in p.evict:
                 await agent.destroy(sid)
             for sid in p.preempt:
-                if self.checkpoint_hook is not None:
-                    await self.checkpoint_hook(p.node_id, sid)
-                await agent.destroy(sid)
+                await self._preempt(agent, p.node_id, sid)
             await self._create(agent, p, req)
         except Exception as e:  # noqa: BLE001 - every failure is reported, never lost
             log.warning("placement %s on %s failed: %s", p.kind, p.node_id, e)
             if p.kind in ("create", "pool") and p.request is not None and p.request.request_id in self.sched.placed:
                 # A bad spec or image fails the same way on every node: no retry.
                 self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT), cause=e)
+                victim = p.request.resume_of
+                t = self.sched.tickets.get(p.request.request_id)
+                if victim is not None and (t is None or t.state == "failed"):
+                    self._preempted.pop(victim, None)
+                    log.error("preempted sandbox %s could not be resumed: %s", victim, e)
+
+    async def _preempt(self, agent: NodeAgent, node_id: str, sandbox_id: str) -> None:
+        """Checkpoint, then stop, a victim. If the checkpoint fails the victim keeps running
+        (accounted again, its resumption withdrawn) and the placement fails retriably."""
+        info = await agent.get(sandbox_id)
+        tenant = info.tenant or ""
+        try:
+            assert self._checkpoint is not None
+            checkpoint_id = await self._checkpoint(tenant, sandbox_id)
+        except Exception:
+            for rid, req in list(self.sched.pending.items()):
+                if req.resume_of == sandbox_id:
+                    self.sched.cancel(rid)
+            self.sched.adopt(node_id, sandbox_id, tenant, cpu_request(info.cpu, self.s), info.memory, info.disk,
+                             self.clock(), labels=info.labels)
+            raise
+        self._preempted[sandbox_id] = (tenant, checkpoint_id)
+        await agent.destroy(sandbox_id)
+        log.info("preempted %s on %s (checkpoint %s); queued for resumption", sandbox_id, node_id, checkpoint_id)
 
     async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
         """Hand a pool member to the user. Agents with ``claim`` (LocalNodeAgent) apply the
@@ -403,7 +454,15 @@ class SchedulerDriver:
         else:
             spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
         async with self._sem(p.node_id):
-            if p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
+            if req.resume_of is not None and req.resume_of in self._preempted and self._resume is not None:
+                tenant, checkpoint_id = self._preempted[req.resume_of]
+                info = await self._resume(tenant, checkpoint_id, req.resume_of)
+                del self._preempted[req.resume_of]
+            elif req.resume_of is not None:
+                # Killed by its user while queued (or never checkpointed): nothing to resume.
+                self.sched.on_failed(req.request_id, self.clock(), "resumption withdrawn", retriable=False)
+                return
+            elif p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
                 # A pooled create stays "ready" with no TTL running until it is claimed.
                 info = await agent.create(spec, pooled=True)  # type: ignore[call-arg]
             else:

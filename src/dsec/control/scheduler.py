@@ -34,6 +34,8 @@ class Scheduler:
                  pools: bool = True) -> None:
         self.s = s = settings or Settings()
         self.cluster = ClusterView()
+        # The driver turns this off when it cannot checkpoint victims (no silent data loss).
+        self.preemption = s.preemption_enabled
         self.queues = TenantQueues(s)
         self.bp = Backpressure(s)
         self.policy: Policy = make_policy(policy, s) if isinstance(policy, str) else policy
@@ -330,7 +332,7 @@ class Scheduler:
                 return None
             nl = self.cluster.node_list
             cands = nl if len(nl) <= 4 * self.s.sparrow_min_nodes else self.rng.sample(nl, self.s.sparrow_min_nodes)
-            allow = self.s.preemption_enabled and req.priority < LOW
+            allow = self.preemption and req.priority < LOW
             pick = select_victims(req, cands, self.residents, self.s.overcommit_ratio,
                                   self.s.overcommit_threshold, allow)
             if pick is None:

@@ -206,3 +206,60 @@ async def test_start_adopts_existing_and_sync_releases_vanished() -> None:
         assert node.used_cpu == 0 and kept.id not in d.sched.running
     finally:
         await d.close()
+
+
+async def test_preemption_checkpoints_stops_and_resumes_under_the_same_id() -> None:
+    """A high-priority request on a full node preempts a low-priority sandbox: the victim
+    is checkpointed before it is stopped, reported as preempted meanwhile, and re-created
+    from its checkpoint under the same id once capacity returns."""
+    a = MemAgent("n0")
+    d = await _driver([a])
+    saved: dict[str, str] = {}
+
+    async def checkpoint(tenant: str, sid: str) -> str:
+        saved[sid] = f"ck-{sid}"
+        return saved[sid]
+
+    async def resume(tenant: str, ck: str, sid: str) -> SandboxInfo:
+        assert saved[sid] == ck
+        return await a.create(SandboxSpec(image="busybox", memory="24G"), sandbox_id=sid, tenant=tenant)
+
+    d.enable_preemption(checkpoint, resume)
+    try:
+        low = await d.create(SandboxSpec(image="busybox", memory="24G", priority="low"), "sb-low", "t1")
+        high = await d.create(SandboxSpec(image="busybox", memory="24G", priority="high"), "sb-high", "t2")
+        assert saved == {"sb-low": "ck-sb-low"} and "sb-low" in a.destroyed
+        assert d.preempted("sb-low") is not None and set(a.sandboxes) == {high.id}
+        await d.release(high.id)
+        for _ in range(200):
+            if "sb-low" in a.sandboxes:
+                break
+            await asyncio.sleep(0.01)
+        assert low.id in a.sandboxes and d.preempted("sb-low") is None
+    finally:
+        await d.close()
+
+
+async def test_no_preemption_without_checkpoints_and_failed_checkpoint_keeps_victim() -> None:
+    """Without checkpoint hooks the driver never preempts (a victim could not be brought
+    back); if a victim's checkpoint fails it keeps running and is accounted again."""
+    a = MemAgent("n0")
+    d = await _driver([a], api_create_wait_s=0.3)
+    try:
+        await d.create(SandboxSpec(image="busybox", memory="24G", priority="low"), "sb-low", "t1")
+        with pytest.raises(Overloaded):
+            await d.create(SandboxSpec(image="busybox", memory="24G", priority="high"), "sb-high", "t2")
+        assert "sb-low" in a.sandboxes
+
+        async def broken(tenant: str, sid: str) -> str:
+            raise SandboxFailure("disk full")
+
+        async def never(tenant: str, ck: str, sid: str) -> SandboxInfo:
+            raise AssertionError("nothing to resume")
+
+        d.enable_preemption(broken, never)
+        with pytest.raises((Overloaded, SandboxFailure)):
+            await d.create(SandboxSpec(image="busybox", memory="24G", priority="high"), "sb-high2", "t2")
+        assert "sb-low" in a.sandboxes and "sb-low" in d.sched.running and d.preempted("sb-low") is None
+    finally:
+        await d.close()
