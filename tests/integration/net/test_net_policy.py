@@ -146,3 +146,21 @@ def test_gvisor_sandbox_uses_its_netstack_and_leaves_nothing(lab: Lab, sandboxes
                 continue
     assert names == []
     assert lab.mgr.attachment(sid) is None and not Path(att.netns_path).exists()
+
+
+@pytest.mark.gvisor
+@pytest.mark.parametrize("tier", ["gvisor"], indirect=True)
+def test_connection_limit_gvisor(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """The per-sandbox connection limit holds for gVisor's netstack too (its connections
+    are tracked on the host side of the veth), and a neighbour is unaffected."""
+    _, att = sandboxes([f"{lab.a.addr}:8000", f"{lab.a.addr}:8002"])
+    _, neighbour = sandboxes([f"{lab.a.addr}:8000"])
+    hold = "; ".join(f"(nc -w 6 {lab.a.addr} 8002 </dev/null >/tmp/held.{i} 2>&1 &); sleep 0.05"
+                     for i in range(10))
+    assert sandbox_exec(att, ["sh", "-c", hold], 20.0).returncode == 0
+    time.sleep(1.0)
+    assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
+    # The server answers "held" at once and keeps each connection 4 s.
+    out = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
+    assert out.count("held") == lab.settings.net_max_connections
