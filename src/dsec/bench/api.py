@@ -62,6 +62,7 @@ def _paired(base: list[float], other: list[float]) -> dict[str, float]:
 
 async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     """Server in a thread (own uvloop); SDK calls from this loop; baseline timed in the server loop."""
+    import httpx
     import uvicorn
 
     from dsec.api.app import create_app
@@ -84,6 +85,16 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
             raise RuntimeError("in-process server failed to start")
         await asyncio.sleep(0.02)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    # In-run baselines for this layer's own choices: the same services behind the plain
+    # FastAPI routes (no exec fast path), and the httpx driver instead of aiohttp.
+    ref_server = uvicorn.Server(uvicorn_config(create_app(services, manage_lifecycle=False, hot_path=False),
+                                               settings, "127.0.0.1", 0, "warning"))
+    ref_task = asyncio.create_task(ref_server.serve())
+    while not ref_server.started:
+        if ref_task.done():
+            raise RuntimeError("in-process reference server failed to start")
+        await asyncio.sleep(0.02)
+    ref_url = f"http://127.0.0.1:{ref_server.servers[0].sockets[0].getsockname()[1]}"
     node = services.node
 
     async def timed(coro: Any) -> float:
@@ -97,10 +108,13 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     req = ExecRequest(cmd=["true"])
-    series: dict[str, list[float]] = {k: [] for k in ("node_exec", "sdk_async_exec", "sdk_sync_exec",
-                                                      "node_get", "sdk_async_get", "sdk_sync_get")}
+    series: dict[str, list[float]] = {k: [] for k in (
+        "node_exec", "sdk_async_exec", "sdk_sync_exec", "node_get", "sdk_async_get", "sdk_sync_get",
+        "sdk_async_exec_httpx_driver", "sdk_async_exec_fastapi_route")}
     try:
-        async with AsyncClient(url, token) as ac:
+        async with AsyncClient(url, token) as ac, \
+                AsyncClient(url, token, transport=httpx.AsyncHTTPTransport()) as hx, \
+                AsyncClient(ref_url, token) as fr:
             sc = Client(url, token)
             info = await ac.create(SandboxSpec(**SPEC))  # type: ignore[arg-type]
             sid = info.id
@@ -113,6 +127,8 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
                         "node_get": await timed(node.get(sid)),
                         "sdk_async_get": await timed(ac.get(sid)),
                         "sdk_sync_get": await asyncio.to_thread(timed_sync, sc.get, sid),
+                        "sdk_async_exec_httpx_driver": await timed(hx.exec(sid, req)),
+                        "sdk_async_exec_fastapi_route": await timed(fr.exec(sid, req)),
                     }
                     if i >= warmup:
                         for k, v in row.items():
@@ -121,6 +137,8 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
                 await ac.kill(sid)
                 sc.close()
     finally:
+        ref_server.should_exit = True
+        await ref_task
         server.should_exit = True
         await serve_task
         services.state.close()
@@ -130,6 +148,9 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         "sdk_sync_exec": _paired(series["node_exec"], series["sdk_sync_exec"]),
         "sdk_async_get": _paired(series["node_get"], series["sdk_async_get"]),
         "sdk_sync_get": _paired(series["node_get"], series["sdk_sync_get"]),
+        "baseline_sdk_async_exec_httpx_driver": _paired(series["node_exec"], series["sdk_async_exec_httpx_driver"]),
+        "baseline_sdk_async_exec_fastapi_route": _paired(series["node_exec"],
+                                                         series["sdk_async_exec_fastapi_route"]),
     }
     return out
 
