@@ -55,6 +55,7 @@ class DrillResult:
     live_cost: list[tuple[float, float]] = field(default_factory=list)
     fs_bytes: list[int] = field(default_factory=list)
     leaked_mounts: int = 0
+    inject_s: dict[str, list[float]] = field(default_factory=dict)  # time to inject, per kind
     wall_s: float = 0.0
 
 
@@ -184,8 +185,10 @@ def _round(cfg: DrillConfig, url: str, token: str, prefix: str, injector: Inject
         if n < cfg.faults:
             # Every kind once first (a short drill still covers them all), then at random.
             kind = cfg.kinds[n] if n < len(cfg.kinds) else rng.choice(cfg.kinds)
+            t_inj = time.monotonic()
             if injector.inject(kind):
                 res.faults[kind] += 1
+                res.inject_s.setdefault(kind, []).append(time.monotonic() - t_inj)
     for t in threads:
         t.join()
     if injector is not None:
@@ -274,6 +277,7 @@ def summary(cfg: DrillConfig, res: DrillResult) -> dict:
                                         "steps_without_fs_change": len(res.fs_bytes) - len(changing)},
         "checkpoint_overhead_fraction": ckpt_s / (exec_s + ckpt_s) if res.live_cost else None,
         "leaked_mounts_cleaned": res.leaked_mounts, "wall_s": res.wall_s,
+        "inject_s_p50_by_kind": {k: _pct(v, 50) for k, v in res.inject_s.items()},
     }
 
 

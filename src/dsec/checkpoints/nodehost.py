@@ -41,6 +41,9 @@ class NodeEpisodeHost:
         return await self.node.exec(sandbox_id, req)
 
     async def destroy(self, sandbox_id: str) -> None:
+        # A server killed between freeze and thaw leaves the sandbox frozen, and frozen
+        # tasks cannot die: the node's cleanup would then fail (EBUSY) on every retry.
+        await asyncio.to_thread(self._thaw_cgroup, sandbox_id)
         try:
             await self.node.destroy(sandbox_id)
         except errors.NotFound:
@@ -50,6 +53,19 @@ class NodeEpisodeHost:
 
     def upper_dir(self, sandbox_id: str) -> Path:
         return self.manager.upper_dir(sandbox_id)
+
+    def _freezer_dir(self, sandbox_id: str) -> Path:
+        from dsec.node import cgroups
+        from dsec.node.manager import CGROUP_PARENT
+        return cgroups.CGROUP_ROOT / "freezer" / CGROUP_PARENT / sandbox_id
+
+    def _thaw_cgroup(self, sandbox_id: str) -> None:
+        state = self._freezer_dir(sandbox_id) / "freezer.state"
+        try:
+            if state.read_text().strip() != "THAWED":
+                state.write_text("THAWED")
+        except OSError:
+            pass  # no such cgroup (already gone) or no freezer: nothing to thaw
 
     def _only_init(self, sandbox_id: str) -> bool:
         """True if the sandbox runs nothing but its idle init agent (nothing can write files).

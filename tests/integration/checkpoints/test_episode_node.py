@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import tempfile
 from pathlib import Path
@@ -95,3 +96,18 @@ async def test_preemption_checkpoint_and_stop_then_resume(node, tmp_path):
     r = await eng.step("ep", 1, ExecRequest(cmd="cat /tmp/state"))
     assert r.stdout == "keep\n"
     await eng.close("ep")
+
+
+async def test_destroying_a_sandbox_left_frozen_succeeds(node, tmp_path):
+    """A server killed between freeze and thaw of a capture leaves its sandbox frozen, and
+    frozen tasks cannot die; destroying it through the episode host thaws it first, so
+    the leftover goes away instead of failing (EBUSY) on every retry."""
+    host = NodeEpisodeHost(node)
+    info = await node.create(SPEC)
+    await node.manager.freeze(info.id)               # as a killed server leaves it
+    freezer = host._freezer_dir(info.id)
+    assert (freezer / "freezer.state").read_text().strip() == "FROZEN"
+    await asyncio.wait_for(host.destroy(info.id), 60)
+    with pytest.raises(errors.DSecError):
+        node.manager.live_record(info.id)
+    assert not freezer.exists()
