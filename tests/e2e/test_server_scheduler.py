@@ -187,3 +187,55 @@ def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_no
             asyncio.run(asyncio.sleep(0.1))
         assert r.status_code == 200 and r.json()["stdout"] == "step 7\n"
         assert c.delete(f"/v1/sandboxes/{low['id']}").status_code == 204
+
+
+@pytest.fixture(scope="module")
+def leasy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A server with a short lease window (0.5 s heartbeats, reaped after 2 misses)."""
+    home = tmp_path_factory.mktemp("dsec-lease")
+    ensure_images(home, ["busybox"])
+    s = start_serve(home, {"DSEC_HEARTBEAT_INTERVAL_S": "0.5", "DSEC_HEARTBEAT_MISSES": "2",
+                           "DSEC_REAPER_INTERVAL_S": "0.1"})
+    try:
+        yield s
+    finally:
+        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
+            for sb in c.get("/v1/sandboxes").json():
+                c.delete(f"/v1/sandboxes/{sb['id']}")
+        s.stop()
+        reap_home(home)
+
+
+def test_lease_keeps_sandboxes_alive_and_release_kills_them(leasy: ServeProcess) -> None:
+    """Inside a dsec.Lease the owner's sandbox outlives several reap windows; leaving the
+    block releases the lease and kills the owner's sandboxes at once."""
+    import time
+
+    import dsec
+
+    with dsec.Client(url=leasy.url, token=leasy.token) as client:
+        with dsec.Lease("run-live", client=client) as lease:
+            sb = dsec.Sandbox.create(image="busybox", cpu=0.25, memory="32M", owner="run-live", client=client)
+            time.sleep(3)  # three reap windows
+            assert sb.exec("echo alive").stdout == "alive\n"
+        assert lease.released == [sb.id]
+        assert all(s.id != sb.id for s in dsec.Sandbox.list(client=client))
+
+
+def test_silent_owner_is_reaped_and_audited(leasy: ServeProcess) -> None:
+    """A trainer that stops renewing (crashed) loses its sandboxes after the window; the
+    sandbox's audit log says why."""
+    with httpx.Client(base_url=leasy.url, headers=_auth(leasy), timeout=60) as c:
+        assert c.post("/v1/leases/run-dead/heartbeat").json()["reap_after_s"] == 1.0
+        sb = c.post("/v1/sandboxes", json={**SMALL, "owner": "run-dead"}).json()
+        other = c.post("/v1/sandboxes", json=SMALL).json()  # no owner: only its TTL applies
+        for _ in range(100):
+            if all(s["id"] != sb["id"] for s in c.get("/v1/sandboxes").json()):
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        ids = {s["id"] for s in c.get("/v1/sandboxes").json()}
+        assert sb["id"] not in ids and other["id"] in ids
+        audit = c.get(f"/v1/sandboxes/{sb['id']}/audit").json()
+        assert {"kind": "reaped", "reason": "reaped: lease_expired"} in [
+            {"kind": e["kind"], "reason": e["data"].get("reason")} for e in audit], audit
+        c.delete(f"/v1/sandboxes/{other['id']}")

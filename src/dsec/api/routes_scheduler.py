@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from dsec.api.auth import require_admin
 from dsec.api.deps import Ctx
+from dsec.control.driver import lease_key
 from dsec.errors import InvalidArgument, NotFound
 from dsec.models import SandboxSpec
 
@@ -123,3 +124,32 @@ async def set_pool(body: PoolFloor, ctx: Ctx) -> PoolList:
         raise InvalidArgument("warm pools are built without an allow-list (network=None or []): the "
                               "allow-list is applied at hand-over", field="spec.network")
     return PoolList.model_validate(_driver(ctx).set_pool(body.spec, body.size))
+
+
+OwnerName = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[!-~]+$",
+                                description="Lease owner (run id / client session), as given at create")]
+
+
+class LeaseStatus(BaseModel):
+    owner: str
+    sandboxes: int
+    reap_after_s: float  # silence after which the owner's sandboxes are reaped
+
+
+class LeaseReleased(BaseModel):
+    owner: str
+    released: list[str]
+
+
+@router.post("/v1/leases/{owner}/heartbeat", response_model=LeaseStatus,
+             summary="Renew an owner lease (sandboxes created with this owner live while it is renewed)")
+async def heartbeat(owner: OwnerName, ctx: Ctx) -> LeaseStatus:
+    held, reap_after = _driver(ctx).heartbeat(lease_key(ctx.tenant.name, owner))
+    return LeaseStatus(owner=owner, sandboxes=held, reap_after_s=reap_after)
+
+
+@router.delete("/v1/leases/{owner}", response_model=LeaseReleased,
+               summary="Release an owner lease: its sandboxes are killed now")
+async def release(owner: OwnerName, ctx: Ctx) -> LeaseReleased:
+    ids = await _driver(ctx).release_owner(lease_key(ctx.tenant.name, owner))
+    return LeaseReleased(owner=owner, released=ids)

@@ -264,6 +264,13 @@ class SandboxService:
         await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)
 
+    async def reaped(self, sandbox_id: str, why: str) -> None:
+        """The control plane removed a sandbox on its own (TTL, silent owner lease, release)."""
+        owner = self._owners.pop(sandbox_id, None) or self.state.sandbox_owner(sandbox_id)
+        if owner is not None:
+            self.audit.record(sandbox_id, owner, "reaped", reason=why)
+        await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
+
     async def kill_by_labels(self, tenant: TenantRecord, labels: dict[str, str]) -> list[str]:
         if not labels:
             raise InvalidArgument("bulk kill needs at least one label (refusing to kill everything)",

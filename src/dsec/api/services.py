@@ -86,6 +86,7 @@ class Services:
         self.sandboxes.set_placement(driver.create, destroy)
         self.sandboxes.preempted = driver.preempted
         self.sandboxes.forget_preempted = driver.forget_preempted
+        driver.on_reaped = self.sandboxes.reaped
 
     async def start(self) -> None:
         await self.node.start()

@@ -40,6 +40,7 @@ PreemptResume = Callable[[str, str, str], Awaitable[SandboxInfo]]
 ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
 UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
 POOL_LABEL = "dsec.pool"
+OWNER_LABEL = "dsec.owner"  # the lease owner, kept on the sandbox so a restart can adopt it
 _PERMANENT = (InvalidArgument, ImageError, Forbidden)
 
 
@@ -61,6 +62,11 @@ def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings
                    cpu_limit=limit)
 
 
+def lease_key(tenant: str, owner: str) -> str:
+    """Leases are per tenant: two tenants may both call their run "r1"."""
+    return f"{tenant}/{owner}"
+
+
 def cpu_request(limit: float, s: Settings) -> float:
     """The CPU share reserved for a sandbox capped at ``limit`` CPUs (rounded to milli-CPUs
     so equal shapes stay equal)."""
@@ -77,6 +83,9 @@ class SchedulerDriver:
         self._checkpoint: PreemptCheckpoint | None = None
         self._resume: PreemptResume | None = None
         self._preempted: dict[str, tuple[str, str]] = {}  # victim sandbox id -> (tenant, checkpoint id)
+        # Told when the driver itself removes a user's sandbox (TTL, silent owner, release),
+        # so the service can audit it.
+        self.on_reaped: Callable[[str, str], Awaitable[None]] | None = None
         self.sched.preemption = False  # until enable_preemption: a victim must be resumable
         self.image_resolver = image_resolver
         self.usage_probe = usage_probe
@@ -125,8 +134,10 @@ class SchedulerDriver:
             left = None
             if info.started_at is not None:
                 left = max(0.0, info.timeout - (time.time() - info.started_at))
+            owner = info.labels.get(OWNER_LABEL)
             self.sched.adopt(node_id, info.id, info.tenant or "", cpu_request(info.cpu, self.s), info.memory,
-                             info.disk, now, ttl_left=left, labels=info.labels)
+                             info.disk, now, ttl_left=left, labels=info.labels,
+                             owner=lease_key(info.tenant or "", owner) if owner else None)
 
     async def _sync_nodes(self) -> None:
         """Release what the nodes dropped on their own (TTL, dead init, a kill that bypassed us)."""
@@ -243,7 +254,11 @@ class SchedulerDriver:
         pool member is handed over); callers must use ``info.id``.
         """
         rid = f"{tenant}/{spec.request_id}" if spec.request_id else sandbox_id
-        self.submit(spec, tenant, rid, sandbox_id=sandbox_id)
+        owner = None
+        if spec.owner is not None:
+            owner = lease_key(tenant, spec.owner)
+            spec = spec.model_copy(update={"labels": {**spec.labels, OWNER_LABEL: spec.owner}})
+        self.submit(spec, tenant, rid, sandbox_id=sandbox_id, owner=owner)
         try:
             return await self.wait(rid, self.s.api_create_wait_s)
         except Timeout:
@@ -304,8 +319,18 @@ class SchedulerDriver:
             self.sched.on_released(sandbox_id, self.clock())
             self._wake.set()
 
-    def heartbeat(self, owner: str) -> None:
+    def heartbeat(self, owner: str) -> tuple[int, float]:
+        """Renew ``owner``'s lease (a tenant-qualified key, see ``lease_key``); returns
+        (sandboxes it holds, seconds of silence before they are reaped)."""
         self.sched.heartbeat(owner, self.clock())
+        return len(self.sched.owned_by(owner)), self.s.heartbeat_interval_s * self.s.heartbeat_misses
+
+    async def release_owner(self, owner: str) -> list[str]:
+        """The owner is done (a run finished): reap everything it holds now, drop its lease."""
+        ids = self.sched.owned_by(owner)
+        self.sched.drop_lease(owner)
+        await asyncio.gather(*(self._destroy(sid, f"owner {owner} released its lease") for sid in ids))
+        return ids
 
     # ------------------------------------------------------------------ loop
     async def _loop(self) -> None:
@@ -382,6 +407,11 @@ class SchedulerDriver:
             except NotFound:
                 pass
             log.info("destroyed %s on %s (%s)", sandbox_id, node_id, why)
+            if self.on_reaped is not None and r is not None and not r.pool:
+                try:
+                    await self.on_reaped(sandbox_id, why)
+                except Exception:  # noqa: BLE001 - auditing must not stop the reaper
+                    log.exception("recording the reap of %s failed", sandbox_id)
 
     async def _execute(self, p: Placement) -> None:
         agent = self.agents[p.node_id]

@@ -262,7 +262,7 @@ class Scheduler:
             raise InvalidArgument("warm pools are disabled on this scheduler")
         self._validate(req)
         self.pools.demand.set_floor(req.shape, size)
-        self.pools.dirty.add(req.shape)
+        self.pools.dirty[req.shape] = None
 
     def forget(self, request_id: str) -> None:
         """Drop a request id's ticket so the id may be submitted afresh."""
@@ -442,14 +442,17 @@ class Scheduler:
         return t
 
     def adopt(self, node_id: str, sandbox_id: str, tenant: str, cpu: float, memory: int, disk: int,
-              now: float, *, ttl_left: float | None = None, labels: dict[str, str] | None = None) -> Running:
+              now: float, *, ttl_left: float | None = None, labels: dict[str, str] | None = None,
+              owner: str | None = None) -> Running:
         """Account a sandbox that already lives on a node (found at start, e.g. after a server
         restart), so capacity and quotas stay true. Idempotent."""
         r = self.running.get(sandbox_id)
         if r is not None:
             return r
         r = Running(sandbox_id, node_id, tenant, MEDIUM, cpu, memory, disk, None, now, labels=dict(labels or {}),
-                    expires_at=None if ttl_left is None else now + ttl_left)
+                    expires_at=None if ttl_left is None else now + ttl_left, owner=owner)
+        if owner is not None and owner not in self.leases:
+            self.heartbeat(owner, now)  # a restart grants the owner a fresh grace period
         self.running[sandbox_id] = r
         self.residents[node_id][sandbox_id] = r
         self._alloc(self._node(node_id), cpu, memory, disk, None, 1)
@@ -513,6 +516,10 @@ class Scheduler:
 
     def drop_lease(self, owner: str) -> None:
         self.leases.pop(owner, None)
+
+    def owned_by(self, owner: str) -> list[str]:
+        """Sandbox ids held under ``owner``'s lease."""
+        return [r.sandbox_id for r in self.running.values() if r.owner == owner]
 
     def _leased(self) -> list[LeasedSandbox]:
         return [LeasedSandbox(r.sandbox_id, r.owner, r.expires_at, r.labels)

@@ -47,6 +47,9 @@ class SandboxSpec(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$",
                                    description="Idempotency key (printable ASCII, no spaces)")
     priority: Literal["high", "medium", "low"] = Field("medium", description="Scheduling priority")
+    owner: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[!-~]+$",
+                              description="Owner lease (run id / client session): when its heartbeats "
+                                          "stop, the server reaps the sandbox (dsec.Lease)")
     gpu: str | None = Field(None, max_length=64, description="GPU slice type, e.g. 'mig-1g.10gb'")
 
     @field_validator("memory", "disk")

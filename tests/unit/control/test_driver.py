@@ -263,3 +263,23 @@ async def test_no_preemption_without_checkpoints_and_failed_checkpoint_keeps_vic
         assert "sb-low" in a.sandboxes and "sb-low" in d.sched.running and d.preempted("sb-low") is None
     finally:
         await d.close()
+
+
+async def test_owner_lease_survives_a_restart_and_release_reaps() -> None:
+    """A sandbox created under an owner carries the owner as a label, so a restarted driver
+    adopts it with a fresh grace period (not reaped as lease-less); releasing the owner
+    kills what it holds."""
+    a = MemAgent("n0")
+    d = await _driver([a])
+    try:
+        info = await d.create(spec(owner="run-1"), "sb-1", "t1")
+        assert info.labels["dsec.owner"] == "run-1" and d.sched.owned_by("t1/run-1") == ["sb-1"]
+    finally:
+        await d.close()
+    d2 = await _driver([a])
+    try:
+        assert "t1/run-1" in d2.sched.leases and d2.sched.owned_by("t1/run-1") == ["sb-1"]
+        assert not d2.sched.reap(d2.clock())
+        assert await d2.release_owner("t1/run-1") == ["sb-1"] and "sb-1" not in a.sandboxes
+    finally:
+        await d2.close()
