@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncClient", "AsyncEpisode", "AsyncSandbox", "CheckpointInfo", "Client", "Episode", "Sandbox", "errors", "ExecResult", "ExecEvent", "SandboxInfo",
+    "AsyncClient", "AsyncEpisode", "AsyncLease", "AsyncSandbox", "Lease", "CheckpointInfo", "Client", "Episode", "Sandbox", "errors", "ExecResult", "ExecEvent", "SandboxInfo",
     "SandboxSpec", "FileEntry", "DSecError", "__version__",
 ]
 
@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from dsec.sdk import AsyncClient, AsyncSandbox, CheckpointInfo, Client, Sandbox
     from dsec.sdk.async_episode import AsyncEpisode
     from dsec.sdk.episode import Episode
+    from dsec.sdk.lease import AsyncLease, Lease
 
 _LAZY = {
-    "CheckpointInfo": "dsec.sdk",
+    "CheckpointInfo": "dsec.sdk", "Lease": "dsec.sdk.lease", "AsyncLease": "dsec.sdk.lease",
     "Episode": "dsec.sdk.episode", "AsyncEpisode": "dsec.sdk.async_episode", "AsyncClient": "dsec.sdk", "AsyncSandbox": "dsec.sdk", "Client": "dsec.sdk", "Sandbox": "dsec.sdk",
     "ExecResult": "dsec.models", "FileEntry": "dsec.models", "SandboxInfo": "dsec.models",
     "SandboxSpec": "dsec.models", "ExecEvent": "dsec.node.api", "DSecError": "dsec.errors",
