@@ -28,7 +28,9 @@ class PoolBook:
         self.free: dict[Shape, list[Running]] = {}
         self.inflight: dict[Shape, int] = {}
         self.targets: dict[Shape, int] = {}
-        self.dirty: set[Shape] = set()
+        # Insertion-ordered (a dict, not a set): shapes are replenished in a seed-determined
+        # order, never in string-hash order (PYTHONHASHSEED would change the decisions).
+        self.dirty: dict[Shape, None] = {}
         self.next_plan = 0.0
         self._seq = 0
         self.destroyed: dict[str, int] = {}
@@ -40,7 +42,7 @@ class PoolBook:
     def take(self, req: Request) -> Running | None:
         lst = self.free.get(req.shape)
         if not lst:
-            self.dirty.add(req.shape)
+            self.dirty[req.shape] = None
             self.misses["empty" if self.targets.get(req.shape) else "cold"] += 1
             return None
         nodes = self.sched.cluster.nodes
@@ -53,7 +55,7 @@ class PoolBook:
                 continue
             lst.pop(i)
             node.warm_count -= 1
-            self.dirty.add(req.shape)
+            self.dirty[req.shape] = None
             return r
         return None
 

@@ -143,7 +143,8 @@ def plan_pools(now: float, targets: dict[Shape, int], members: Mapping[Shape, Se
                inflight: dict[Shape, int], versions: dict[str, str], s: Settings) -> PoolPlan:
     """Given demand targets and current members, what to create and destroy per shape."""
     plan = PoolPlan()
-    for shape in set(targets) | set(members):
+    # Targets' order, then members' (dicts): never set order, which follows string hashes.
+    for shape in list(targets) + [sh for sh in members if sh not in targets]:
         want = targets.get(shape, 0)
         keep: list[Member | Running] = []
         for m in members.get(shape, ()):

@@ -294,7 +294,7 @@ def run_policy(cfg: SimConfig, policy: str, base: Settings | None = None,
                     a = sb.arrival
                     push(now, ARRIVE, Arrival(now, a.rid + "~lost", a.tenant, a.image, a.priority,
                                               max(1.0, sb.end - now), a.usage, False))
-            sched.layers_changed(names[i], (), list(sched.cluster.nodes[names[i]].layers))
+            sched.layers_changed(names[i], (), sorted(sched.cluster.nodes[names[i]].layers))
             caches[i].clear()
             use[i] = 0.0
             overloaded[i] = False
