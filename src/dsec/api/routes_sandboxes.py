@@ -12,9 +12,9 @@ from dsec.api.deps import Ctx, SandboxId
 from dsec.api.schemas import (
     AuditEntry,
     BulkKillRequest,
-    NetworkRequest,
     BulkKillResult,
     ErrorLine,
+    NetworkRequest,
     SignalRequest,
     TimeoutRequest,
 )

@@ -33,6 +33,7 @@ from dsec.sdk._core import (
     plan,
     transport_error,
 )
+from dsec.sdk._drivers import _U3, _Aio
 
 
 class _Api:
@@ -159,93 +160,22 @@ def _response(r: httpx.Response) -> Response:
     return Response(r.status_code, dict(r.headers), r.content)
 
 
-class _Aio:
-    """The aiohttp side of ``AsyncClient``: its errors are re-raised as the matching httpx
-    transport errors, so the retry policy in ``_core`` judges both drivers alike."""
-
-    def __init__(self, cfg: ClientConfig) -> None:
-        self._cfg = cfg
-        self._base = cfg.url.rstrip("/")
-        self._session: Any = None
-        self._headers = _httpx_kwargs(cfg)["headers"]
-
-    def _sess(self) -> Any:
-        # Made lazily: an aiohttp session belongs to the loop it is first used on, and
-        # clients are often constructed before the loop runs.
-        if self._session is None or self._session.closed:
-            import aiohttp
-            conn = aiohttp.TCPConnector(limit=self._cfg.max_connections, limit_per_host=0,
-                                        keepalive_timeout=self._cfg.keepalive_s)
-            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=self._cfg.timeout_s))
-        return self._session
-
-    def _kwargs(self, call: Call[Any]) -> dict[str, Any]:
-        import aiohttp
-        kw: dict[str, Any] = {}
-        if call.params:
-            kw["params"] = call.params
-        if call.headers:
-            kw["headers"] = call.headers
-        if call.json is not None:
-            kw["json"] = call.json
-        elif call.content is not None:
-            kw["data"] = call.content
-        if call.timeout is not None:
-            kw["timeout"] = aiohttp.ClientTimeout(total=call.timeout)
-        return kw
-
-    @staticmethod
-    def _mapped(e: BaseException) -> httpx.TransportError:
-        import aiohttp
-        if isinstance(e, aiohttp.ClientConnectorError):
-            return httpx.ConnectError(str(e))  # never sent: always safe to retry
-        if isinstance(e, asyncio.TimeoutError):
-            return httpx.ReadTimeout(f"no answer within the client timeout ({e})")
-        return httpx.ReadError(f"{type(e).__name__}: {e}")
-
-    async def request(self, call: Call[Any]) -> Response:
-        import aiohttp
-        try:
-            async with self._sess().request(call.method, self._base + call.path, **self._kwargs(call)) as r:
-                body = await r.read()
-                return Response(r.status, {k.lower(): v for k, v in r.headers.items()}, body)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise self._mapped(e) from e
-
-    async def lines(self, call: Call[Any]) -> AsyncIterator[str]:
-        """NDJSON lines of a streamed answer (no line-length limit: chunks are split here)."""
-        import aiohttp
-        try:
-            async with self._sess().request(call.method, self._base + call.path, **self._kwargs(call)) as r:
-                if r.status >= 400:
-                    raise error_of(Response(r.status, {k.lower(): v for k, v in r.headers.items()},
-                                            await r.read()))
-                buf = b""
-                async for chunk in r.content.iter_any():
-                    buf += chunk
-                    *done, buf = buf.split(b"\n")
-                    for line in done:
-                        yield line.decode()
-                if buf:
-                    yield buf.decode()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise self._mapped(e) from e
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class Client(_Api):
-    """Synchronous client. Thread-safe; reuse one per process (pooled keep-alive connections)."""
+    """Synchronous client. Thread-safe; reuse one per process (pooled keep-alive connections).
+
+    Requests go over urllib3; an httpx ``transport`` (tests) switches to httpx."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, retries: int | None = None,
                  timeout: float | None = None, transport: httpx.BaseTransport | None = None) -> None:
         self.config = resolve_config(url, token, retries=retries, timeout=timeout)
         self._policy = RetryPolicy(self.config.retries, self.config.backoff_s, self.config.backoff_max_s)
         self._http = httpx.Client(transport=transport, **_httpx_kwargs(self.config))
+        self._u3 = _U3(self.config) if transport is None else None
+
+    def _send(self, call: Call[Any]) -> Response:
+        if self._u3 is not None:
+            return self._u3.request(call)
+        return _response(self._http.request(call.method, call.path, **_request_kwargs(call)))
 
     def _run(self, call: Call[Any]) -> Any:
         gen = plan(call, self._policy, self.config.url)
@@ -254,8 +184,7 @@ class Client(_Api):
             try:
                 if isinstance(step, Send):
                     try:
-                        out = Outcome(response=_response(self._http.request(
-                            call.method, call.path, **_request_kwargs(call))))
+                        out = Outcome(response=self._send(call))
                     except httpx.TransportError as e:
                         out = Outcome(error=e)
                     step = gen.send(out)
@@ -267,19 +196,25 @@ class Client(_Api):
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecEvent]:
         call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
+        lines = self._u3.lines(call) if self._u3 is not None else self._httpx_lines(call)
         try:
-            with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    raise error_of(_response(r))
-                for line in r.iter_lines():
-                    ev = parse_event_line(line)
-                    if ev is not None:
-                        yield ev
+            for line in lines:
+                ev = parse_event_line(line)
+                if ev is not None:
+                    yield ev
         except httpx.TransportError as e:
             raise transport_error(e, self.config.url) from e
 
+    def _httpx_lines(self, call: Call[Any]) -> Iterator[str]:
+        with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise error_of(_response(r))
+            yield from r.iter_lines()
+
     def close(self) -> None:
+        if self._u3 is not None:
+            self._u3.close()
         self._http.close()
 
     def __enter__(self) -> Client:
