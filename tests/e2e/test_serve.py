@@ -162,3 +162,17 @@ def test_async_client_real_server(server: Server) -> None:
                 await dead.health()
 
     asyncio.run(main())
+
+
+def test_server_loop_boosted_sandboxes_not(server: Server) -> None:
+    """The API event-loop thread runs at Settings.api_loop_nice (so sandbox load cannot
+    starve it) while nothing it starts inherits that: sandbox processes run at nice 0."""
+    import os
+
+    from dsec.config import Settings
+
+    want = Settings().api_loop_nice
+    assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) == want  # main thread = event loop
+    with Client(server.url, server.token) as c, Sandbox.create(image="busybox", client=c) as sb:
+        nices = sb.exec("cut -d' ' -f19 /proc/1/stat /proc/self/stat").stdout.split()
+        assert nices == ["0", "0"]
