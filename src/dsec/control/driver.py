@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
 from dsec.control.scheduler import Scheduler
-from dsec.control.types import PRIORITIES, Placement, Request, Ticket
+from dsec.control.types import PRIORITIES, Placement, Request, Running, Ticket
 from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
 from dsec.models import SandboxInfo, SandboxSpec
 from dsec.node.api import NodeAgent
@@ -313,11 +313,22 @@ class SchedulerDriver:
         r = self.sched.running.get(sandbox_id)
         if r is None:
             raise NotFound(f"sandbox {sandbox_id!r} is not known to the scheduler")
+        cpu = await self._cpu_used(r.node_id, r)
         try:
             await self.agents[r.node_id].destroy(sandbox_id)
         finally:
-            self.sched.on_released(sandbox_id, self.clock())
+            self.sched.on_released(sandbox_id, self.clock(), cpu_peak=cpu)
             self._wake.set()
+
+    async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
+        """A task-typed sandbox's mean CPU use, read just before it goes (right-sizing)."""
+        probe = getattr(self.agents.get(node_id), "cpu_used", None)
+        if r is None or r.task_type is None or probe is None:
+            return None
+        try:
+            return await probe(r.sandbox_id)
+        except Exception:  # noqa: BLE001 - a missing sample only delays right-sizing
+            return None
 
     def heartbeat(self, owner: str) -> tuple[int, float]:
         """Renew ``owner``'s lease (a tenant-qualified key, see ``lease_key``); returns
@@ -400,7 +411,8 @@ class SchedulerDriver:
     async def _destroy(self, sandbox_id: str, why: str) -> None:
         r = self.sched.running.get(sandbox_id)
         node_id = r.node_id if r else None
-        self.sched.on_released(sandbox_id, self.clock())
+        cpu = await self._cpu_used(node_id, r) if node_id is not None else None
+        self.sched.on_released(sandbox_id, self.clock(), cpu_peak=cpu)
         if node_id is not None:
             try:
                 await self.agents[node_id].destroy(sandbox_id)

@@ -33,6 +33,13 @@ class RightSizer:
         self.cpu.setdefault(task_type, deque(maxlen=_HISTORY)).append(cpu_peak)
         self.memory.setdefault(task_type, deque(maxlen=_HISTORY)).append(float(memory_peak))
 
+    def observe_cpu(self, task_type: str, cpu_used: float) -> None:
+        """CPU use only (the real server: memory requests stay as asked, since a pool member's
+        memory limit is its shape's)."""
+        if cpu_used < 0:
+            raise ValueError(f"task type {task_type!r}: usage must be >= 0")
+        self.cpu.setdefault(task_type, deque(maxlen=_HISTORY)).append(cpu_used)
+
     def _one(self, hist: deque[float] | None, asked: float) -> tuple[float, bool]:
         s = self.s
         if hist is None or len(hist) < s.rightsize_min_samples:

@@ -485,6 +485,8 @@ class Scheduler:
             self.queues.charge(r.tenant, r.cpu, r.memory, -1)
             if r.task_type is not None and cpu_peak is not None and memory_peak is not None:
                 self.rightsizer.observe(r.task_type, cpu_peak, memory_peak)
+            elif r.task_type is not None and cpu_peak is not None:
+                self.rightsizer.observe_cpu(r.task_type, cpu_peak)
         return r
 
     def _finish(self, request_id: str, state: str, *, now: float, sandbox_id: str | None = None,

@@ -107,6 +107,7 @@ class LocalNodeAgent:
             network = NetworkManager(settings)
         self._network = network
         self._net_lock = asyncio.Lock()
+        self._cpu_base: dict[str, tuple[float, float]] = {}  # sandbox -> (CPU s, time) at hand-over
 
     async def _ensure_network(self) -> Any:
         """Start networking on first need: nodes that never open egress pay nothing."""
@@ -166,8 +167,11 @@ class LocalNodeAgent:
                      pooled: bool = False, extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
         if spec.network is not None:
             await self._ensure_network()
-        return await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
+        info = await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
                                          extra_lower_dirs=extra_lower_dirs)
+        if not pooled:
+            self._mark_cpu_base(info.id)
+        return info
 
     async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo:
         """Replace a live sandbox's egress allow-list (takes effect at once, host-side)."""
@@ -187,7 +191,9 @@ class LocalNodeAgent:
         return net.denied_events(sandbox_id, since_seq) if net is not None else []
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
-        return await self.manager.claim(sandbox_id, spec, tenant)
+        info = await self.manager.claim(sandbox_id, spec, tenant)
+        self._mark_cpu_base(sandbox_id)
+        return info
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.info(self.manager.get_record(sandbox_id))
@@ -204,7 +210,35 @@ class LocalNodeAgent:
         return sorted(out, key=lambda i: i.created_at)
 
     async def destroy(self, sandbox_id: str) -> None:
+        self._cpu_base.pop(sandbox_id, None)
         await self.manager.destroy(sandbox_id)
+
+    async def cpu_used(self, sandbox_id: str) -> float | None:
+        """Average CPUs the sandbox kept busy since it was handed out (right-sizing input);
+        None when unknown (not live, or no CPU accounting)."""
+        from dsec.node.manager import CGROUP_PARENT
+        from dsec.node.usage import cgroup_cpu_seconds, mean_cpu_used
+
+        if sandbox_id not in self.manager.live:
+            self._cpu_base.pop(sandbox_id, None)
+            return None
+        secs = cgroup_cpu_seconds(CGROUP_PARENT, sandbox_id)
+        if secs is None:
+            return None
+        base_secs, since = self._cpu_base.get(sandbox_id, (0.0, self.manager.live[sandbox_id].info.created_at))
+        return mean_cpu_used(secs - base_secs, time.time() - since)
+
+    def _mark_cpu_base(self, sandbox_id: str) -> None:
+        """CPU burned before hand-over (runc, init) is not the task's: count from here."""
+        from dsec.node.manager import CGROUP_PARENT
+        from dsec.node.usage import cgroup_cpu_seconds
+
+        secs = cgroup_cpu_seconds(CGROUP_PARENT, sandbox_id)
+        if secs is not None:
+            self._cpu_base[sandbox_id] = (secs, time.time())
+        if len(self._cpu_base) > len(self.manager.live) + 1024:  # sandboxes the node reaped itself
+            for sid in [k for k in self._cpu_base if k not in self.manager.live]:
+                del self._cpu_base[sid]
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
         if timeout <= 0:

@@ -92,3 +92,15 @@ def local_usage_probe(parent: str, cpus: float) -> Callable[[str], float]:
         return SandboxCpuProbe(parent, cpus)
     except (OSError, ValueError):
         return CpuUsageProbe()
+
+
+def cgroup_cpu_seconds(parent: str, sandbox_id: str, root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPU seconds one sandbox's cgroup used so far (v1 cpuacct or v2 cpu.stat); None if
+    it has no accounting (already gone)."""
+    ns = read_cgroup_cpu_ns(f"{parent}/{sandbox_id}", root)
+    return None if ns is None else ns / 1e9
+
+
+def mean_cpu_used(cpu_seconds: float, lifetime_s: float) -> float:
+    """Average CPUs a sandbox kept busy over its life (its right-sizing sample)."""
+    return cpu_seconds / lifetime_s if lifetime_s > 0 else 0.0

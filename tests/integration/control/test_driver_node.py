@@ -76,3 +76,17 @@ async def test_places_real_sandboxes_and_claims_pool_member(driver) -> None:  # 
             break
         await asyncio.sleep(0.05)
     assert second.id not in node.manager.live and second.id not in d.sched.running
+
+
+async def test_cpu_used_reads_the_sandbox_cgroup(driver) -> None:  # type: ignore[no-untyped-def]
+    """The right-sizing sample of a real sandbox reflects the CPU it burned: near zero when
+    idle, clearly above zero after a busy loop (capped by its 0.5-CPU limit)."""
+    d, node = driver
+    info = await d.create(small(), "sb-cpu", "t1")
+    idle = await node.cpu_used(info.id)
+    assert idle is not None and idle < 0.2
+    await node.exec(info.id, ExecRequest(cmd="end=$(($(date +%s)+2)); while [ $(date +%s) -lt $end ]; do :; done"))
+    busy = await node.cpu_used(info.id)
+    assert busy is not None and 0.05 < busy <= 0.6
+    await d.release(info.id)
+    assert await node.cpu_used(info.id) is None

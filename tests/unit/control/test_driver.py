@@ -283,3 +283,26 @@ async def test_owner_lease_survives_a_restart_and_release_reaps() -> None:
         assert await d2.release_owner("t1/run-1") == ["sb-1"] and "sb-1" not in a.sandboxes
     finally:
         await d2.close()
+
+
+async def test_right_sizing_from_observed_cpu_on_release() -> None:
+    """Sandboxes of a task type that barely used their CPU make the next request of that
+    type reserve less (never below rightsize_min_fraction of what was asked); the CPU cap
+    the user asked for is unchanged."""
+    a = MemAgent("n0")
+
+    async def cpu_used(sandbox_id: str) -> float:
+        return 0.01
+
+    a.cpu_used = cpu_used  # type: ignore[attr-defined]
+    d = await _driver([a], rightsize_min_samples=3)
+    try:
+        for i in range(3):
+            info = await d.create(spec(labels={"task": "grep"}), f"sb-{i}", "t1")
+            await d.release(info.id)
+        info = await d.create(spec(labels={"task": "grep"}), "sb-next", "t1")
+        r = d.sched.running[info.id]
+        asked = cpu_request(1, d.s)
+        assert r.cpu == round(asked * d.s.rightsize_min_fraction, 2) < asked and info.cpu == 1
+    finally:
+        await d.close()
