@@ -174,7 +174,10 @@ class Scheduler:
             self.stats["rejected_invalid"] += 1
             raise
         if req.task_type is not None:
+            asked = (req.cpu, req.memory)
             req.cpu, req.memory, req.abnormal = self.rightsizer.adjust(req.task_type, req.cpu, req.memory)
+            if (req.cpu, req.memory) != asked:
+                req.asked = asked
             self.stats["abnormal"] += req.abnormal
         try:
             self.queues.check_quota(req)

@@ -33,12 +33,14 @@ class Image:
     # it ran this very image and most likely holds every layer).
     anchor: str = ""
     top: str = ""
+    probe: tuple[str, ...] = ()  # (top, anchor), or (anchor,) when they are one layer
 
     def __post_init__(self) -> None:
         self.total_bytes = sum(s for _, s in self.layers)
         if self.layers:
             self.anchor = max(self.layers, key=lambda ds: ds[1])[0]
             self.top = self.layers[-1][0]
+            self.probe = (self.top, self.anchor) if self.top != self.anchor else (self.anchor,)
 
 
 @dataclass(slots=True)
@@ -72,10 +74,14 @@ class Request:
     # scheduler reserves: agents idle while the model thinks, so requests < limits.
     cpu_limit: float = 0.0
     cold: bool = False  # a warm hand-over failed: create this one fresh
+    asked: tuple[float, int] | None = None  # (cpu, memory) before right-sizing changed them
 
     @property
     def shape(self) -> Shape:
-        return (self.image, self.isolation, self.cpu, self.memory, self.disk, self.network, self.cpu_limit)
+        # Pools are keyed by what was asked, not by the right-sized reservation: a declared
+        # pool keeps matching once a task type's history starts resizing its requests.
+        cpu, memory = self.asked if self.asked is not None else (self.cpu, self.memory)
+        return (self.image, self.isolation, cpu, memory, self.disk, self.network, self.cpu_limit)
 
 
 @dataclass(slots=True)

@@ -223,3 +223,16 @@ def test_task_label_without_history_keeps_the_declared_pool_shape() -> None:
     s.submit(req("a", cpu=0.125, task_type="fib"), 1.0)
     p = s.take_warm_now("a", 1.0)
     assert p is not None and p.kind == "warm"
+
+
+def test_right_sized_request_still_takes_from_the_pool_of_its_asked_shape() -> None:
+    """Pools are keyed by what was asked: once a task type's history lowers its
+    reservations, its requests still hit the pool declared (or grown) for the asked shape."""
+    s = sched(pools=True, rightsize_min_samples=1)
+    s.rightsizer.observe_cpu("fib", 0.01)
+    s.set_pool_floor(req("shape"), 1)
+    place_all(s, 0.05)
+    s.submit(req("a", task_type="fib"), 1.0)
+    assert s.pending["a"].cpu < 2 and s.pending["a"].asked == (2, 4 * GIB)
+    p = s.take_warm_now("a", 1.0)
+    assert p is not None and p.kind == "warm"
