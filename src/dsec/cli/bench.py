@@ -54,6 +54,26 @@ def net() -> None:
     _emit(run(), Path("reports"), "net-bench")
 
 
+@app.command("net-sandbox")
+def net_sandbox() -> None:
+    """Create-to-first-exec with a one-entry allow-list vs network=None, and egress
+    throughput vs a plain veth, in real sandboxes of both tiers."""
+    from dsec.bench.net_sandbox import run
+    _emit(run(), Path("reports"), "net-sandbox-bench")
+
+
+@app.command()
+def pool(rounds: int = typer.Option(30, help="warm vs cold rounds"),
+         burst: int = typer.Option(200, help="creates fired within one second"),
+         out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """On a real server: warm-pool hand-over to first exec vs a cold create (same build,
+    pools off), and a burst of creates against the overcommit bound."""
+    from dsec.bench.pool import run
+    with console.status("benchmarking the scheduler on a real server") as status:
+        report = run(rounds=rounds, burst=burst, progress=lambda m: status.update(m))
+    _emit(report, out, "pool-bench")
+
+
 @app.command()
 def scheduler(requests: int = typer.Option(20_000, help="placement requests")) -> None:
     """Placement decisions/s at 1,000 and 10,000 nodes, ours vs a Kubernetes-style baseline."""
