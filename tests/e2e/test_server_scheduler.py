@@ -239,3 +239,29 @@ def test_silent_owner_is_reaped_and_audited(leasy: ServeProcess) -> None:
         assert {"kind": "reaped", "reason": "reaped: lease_expired"} in [
             {"kind": e["kind"], "reason": e["data"].get("reason")} for e in audit], audit
         c.delete(f"/v1/sandboxes/{other['id']}")
+
+
+def test_cli_pool_and_sched(srv: ServeProcess) -> None:
+    """`dsec pool set/ls` and `dsec sched` drive and show the same state as the API."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
+    env["DSEC_HOME"] = str(srv.home)
+    dsec = str(Path(sys.executable).parent / "dsec")
+
+    def run(*args: str) -> str:
+        r = subprocess.run([dsec, *args], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    table = run("pool", "set", "busybox", "--size", "1", "--cpu", "0.25", "--memory", "40M")
+    assert "busybox" in table and "40M" in table
+    pools = json.loads(run("pool", "ls", "--json"))
+    assert any(p["memory"] == 40 << 20 and p["floor"] == 1 for p in pools)
+    st = json.loads(run("sched", "--json"))
+    assert st["nodes"] and "warm_hits" in st["stats"]
+    assert "CPU ALLOC/BOUND" in run("sched")
+    run("pool", "set", "busybox", "--size", "0", "--cpu", "0.25", "--memory", "40M")

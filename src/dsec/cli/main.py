@@ -13,6 +13,7 @@ from dsec.cli.demo import register as _reg_demo; _reg_demo(app)  # noqa: E402,E7
 from dsec.cli.drill import register as _reg_drill; _reg_drill(app)  # noqa: E402,E702
 from dsec.cli.episode import app as episode_app; app.add_typer(episode_app, name="episode")  # noqa: E402,E702
 from dsec.cli.image import app as image_app; app.add_typer(image_app, name="image")  # noqa: E402,E702
+from dsec.cli.pool import app as pool_app, register as _reg_sched; app.add_typer(pool_app, name="pool"); _reg_sched(app)  # noqa: E402,E702
 from dsec.cli.sandbox import register as _reg_sandbox; _reg_sandbox(app)  # noqa: E402,E702 run/exec/ps/kill/logs
 from dsec.cli.serve import register as _reg_serve; _reg_serve(app)  # noqa: E402,E702
 from dsec.cli.sim import app as sim_app; app.add_typer(sim_app, name="sim")  # noqa: E402,E702
