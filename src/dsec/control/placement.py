@@ -17,26 +17,33 @@ from dsec.control.types import Image, Node, Request
 
 
 class IndexedSet:
-    """A set with O(1) add/remove and O(k) random sampling (list + position map)."""
+    """A set with O(1) add/remove and O(k) random sampling (list + position map).
 
-    __slots__ = ("items", "pos")
+    ``objs`` runs parallel to ``items`` (the node object of each id, when given), so a
+    sampled candidate costs one list index, not a dict lookup as well."""
+
+    __slots__ = ("items", "objs", "pos")
 
     def __init__(self) -> None:
         self.items: list[str] = []
+        self.objs: list[object] = []
         self.pos: dict[str, int] = {}
 
-    def add(self, x: str) -> None:
+    def add(self, x: str, obj: object = None) -> None:
         if x not in self.pos:
             self.pos[x] = len(self.items)
             self.items.append(x)
+            self.objs.append(obj)
 
     def discard(self, x: str) -> None:
         i = self.pos.pop(x, None)
         if i is None:
             return
         last = self.items.pop()
+        last_obj = self.objs.pop()
         if i < len(self.items):
             self.items[i] = last
+            self.objs[i] = last_obj
             self.pos[last] = i
 
     def __len__(self) -> int:
@@ -60,7 +67,7 @@ class ClusterView:
         self.nodes[node.node_id] = node
         self.node_list.append(node)
         for d in node.layers:
-            self.layer_index.setdefault(d, IndexedSet()).add(node.node_id)
+            self.layer_index.setdefault(d, IndexedSet()).add(node.node_id, node)
 
     def remove_node(self, node_id: str) -> Node | None:
         node = self.nodes.pop(node_id, None)
@@ -76,7 +83,7 @@ class ClusterView:
         for d in digests:
             if d not in node.layers:
                 node.layers.add(d)
-                self.layer_index.setdefault(d, IndexedSet()).add(node.node_id)
+                self.layer_index.setdefault(d, IndexedSet()).add(node.node_id, node)
 
     def remove_layers(self, node: Node, digests: list[str] | tuple[str, ...] | set[str]) -> None:
         for d in digests:
@@ -128,26 +135,27 @@ class OursPolicy:
         self.k = s.locality_candidates
         self.d = s.sparrow_probes
         self.min_nodes = s.sparrow_min_nodes
+        self.half = max(1, self.k // 2)
 
     def candidates(self, image: Image, cluster: ClusterView, rng: random.Random) -> list[Node]:
         nl = cluster.node_list
         if len(nl) <= self.min_nodes:
             return nl
-        nodes = cluster.nodes
         out: list[Node] = []
-        half = max(1, self.k // 2)
+        half = self.half
         rnd = rng.random
-        for digest in (image.top, image.anchor) if image.top != image.anchor else (image.anchor,):
-            holders = cluster.layer_index.get(digest)
-            if holders is not None and len(holders):
-                items = holders.items
-                m = len(items)
+        index = cluster.layer_index
+        for digest in image.probe:
+            holders = index.get(digest)
+            if holders is not None:
+                objs = holders.objs
+                m = len(objs)
                 if m <= half:
-                    out.extend([nodes[h] for h in items])
+                    out.extend(objs)  # type: ignore[arg-type]
                 else:
                     # With replacement: a duplicate candidate costs one extra score, while
                     # random.sample costs more than the whole scoring loop.
-                    out.extend([nodes[items[int(rnd() * m)]] for _ in range(half)])
+                    out.extend([objs[int(rnd() * m)] for _ in range(half)])  # type: ignore[misc]
         n = len(nl)
         for _ in range(self.d):
             out.append(nl[int(rnd() * n)])
@@ -158,6 +166,8 @@ class OursPolicy:
         total = image.total_bytes or 1
         layers = image.layers
         ratio, thr = self.ratio, self.threshold
+        wl, wload, wp, spread = self.wl, self.wload, self.wp, self.spread
+        near = self.miss * total
         cpu, mem, disk, gpu, iso = req.cpu, req.memory, req.disk, req.gpu, req.isolation
         excluded, selector = req.excluded, req.selector
         best = best_near = None
@@ -181,11 +191,11 @@ class OursPolicy:
             for d, sz in layers:
                 if d not in have:
                     miss += sz
-            score = (self.wl * (1.0 - miss / total) - self.wload * (node.used_cpu / node.cpu)
-                     - self.wp * node.predicted - self.spread * node.batch_load)
+            score = (wl * (1.0 - miss / total) - wload * (node.used_cpu / node.cpu)
+                     - wp * node.predicted - spread * node.batch_load)
             if score > best_s:
                 best, best_s, best_m = node, score, miss
-            if miss <= self.miss * total and score > best_near_s:
+            if score > best_near_s and miss <= near:
                 best_near, best_near_s, best_near_m = node, score, miss
         if best_near is not None:
             return best_near, best_near_m
@@ -226,12 +236,23 @@ class LeastLoadedPolicy:
     def choose(self, req: Request, image: Image, cluster: ClusterView,
                rng: random.Random) -> tuple[Node, int] | None:
         best, best_f = None, 1e18
-        ratio, thr, cpu = self.ratio, self.threshold, req.cpu
+        ratio, thr, cpu, mem, disk = self.ratio, self.threshold, req.cpu, req.memory, req.disk
+        iso, gpu, excluded, selector = req.isolation, req.gpu, req.excluded, req.selector
         for node in cluster.node_list:
             f = node.used_cpu / node.cpu
-            if (f < best_f and node.used_cpu + cpu <= node.cpu * ratio + 1e-9
-                    and _eligible(node, req, ratio, thr)):
-                best, best_f = node, f
+            # ``_eligible`` inlined (same rule): every node is visited for every decision.
+            if (f >= best_f or node.used_cpu + cpu > node.cpu * ratio + 1e-9 or not node.healthy
+                    or node.used_memory + mem > node.memory * ratio or node.used_disk + disk > node.disk
+                    or iso not in node.isolation or node.predicted >= thr
+                    or node.count >= node.max_sandboxes):
+                continue
+            if excluded and node.node_id in excluded:
+                continue
+            if gpu is not None and node.gpu_used.get(gpu, 0) >= node.gpus.get(gpu, 0):
+                continue
+            if selector and any(node.labels.get(k) != v for k, v in selector.items()):
+                continue
+            best, best_f = node, f
         return (best, missing_bytes(best, image)) if best is not None else None
 
 
@@ -263,12 +284,20 @@ class K8sPolicy:
         best, best_s, found = None, -1e18, 0
         ratio, thr = self.ratio, self.threshold
         cpu, mem, disk, iso = req.cpu, req.memory, req.disk, req.isolation
+        gpu, excluded, selector = req.gpu, req.excluded, req.selector
         order = nl[start:] + nl[:start]
         for node in order:
-            # Cheap resource checks first (inlined), the full filter only for survivors.
+            # ``_eligible`` inlined (same rule): this loop visits hundreds of nodes per decision.
             if (not node.healthy or node.used_cpu + cpu > node.cpu * ratio + 1e-9
                     or node.used_memory + mem > node.memory * ratio or node.used_disk + disk > node.disk
-                    or iso not in node.isolation or not _eligible(node, req, ratio, thr)):
+                    or iso not in node.isolation or node.predicted >= thr
+                    or node.count >= node.max_sandboxes):
+                continue
+            if excluded and node.node_id in excluded:
+                continue
+            if gpu is not None and node.gpu_used.get(gpu, 0) >= node.gpus.get(gpu, 0):
+                continue
+            if selector and any(node.labels.get(k) != v for k, v in selector.items()):
                 continue
             found += 1
             have = node.layers

@@ -10,7 +10,7 @@ from pathlib import Path
 from dsec.config import Settings
 from dsec.control.placement import POLICIES
 from dsec.sim.config import SimConfig
-from dsec.sim.engine import cluster_size, run_policy
+from dsec.sim.engine import PLAIN, cluster_size, parse_policy, run_policy
 from dsec.sim.report import write_report
 from dsec.sim.trace import mean_rate
 
@@ -28,8 +28,9 @@ def _timed(cfg: SimConfig, name: str, settings: Settings | None,
 def run_all(cfg: SimConfig, out: Path | None, settings: Settings | None = None,
             progress: Callable[[str, float], None] | None = None, jobs: int = 1) -> tuple[dict, list[dict]]:
     for p in cfg.policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)}")
+        if parse_policy(p)[0] not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)} "
+                             f"(append {PLAIN!r} for the stand-alone variant)")
     meta = {"seed": cfg.seed, "hours": cfg.hours, "rate_scale": cfg.rate_scale, "nodes": cluster_size(cfg),
             "node_cpu": cfg.node_cpu, "images": cfg.images, "zipf_s": cfg.zipf_s,
             "arrivals_expected": mean_rate(cfg) * cfg.hours * 3600, "policies": list(cfg.policies)}

@@ -116,11 +116,13 @@ def arrivals(cfg: SimConfig, chunk_s: float = 60.0) -> Iterator[list[Arrival]]:
         usage = np.where(heavy, rng.uniform(0.7, 1.0, n), rng.uniform(0.05, 2 * cfg.light_usage - 0.05, n))
         fails = rng.random(n) < cfg.create_failure_rate
         tenants = rng.integers(cfg.tenants, size=n)
-        out = []
-        for k in range(n):
-            seq += 1
-            out.append(Arrival(float(ts[k]), f"r{seq}", f"t{int(tenants[k])}", int(imgs[k]), int(prios[k]),
-                               float(durs[k]), float(usage[k]), bool(fails[k])))
+        # Plain Python values in one conversion per column (per-element numpy indexing
+        # cost more than the whole scheduler decision).
+        tn = [f"t{k}" for k in range(cfg.tenants)]
+        out = [Arrival(t, f"r{seq + k + 1}", tn[te], im, pr, du, us, fa) for k, (t, te, im, pr, du, us, fa)
+               in enumerate(zip(ts.tolist(), tenants.tolist(), imgs.tolist(), prios.tolist(), durs.tolist(),
+                                usage.tolist(), fails.tolist()))]
+        seq += n
         yield out
         t0 += span
 
