@@ -59,7 +59,7 @@ class Services:
             store = images
 
             async def check(ref: str) -> None:  # NotFound naming the image, before any queueing
-                await asyncio.to_thread(store.resolve, ref)
+                await asyncio.to_thread(store.resolve_fast, ref)
         sandboxes = SandboxService(settings, node, state, metrics, audit, creator, image_check=check)
         return cls(settings=settings, state=state, node=node, images=images, metrics=metrics,
                    auth=TenantAuth(state), audit=audit, sandboxes=sandboxes)

@@ -186,7 +186,7 @@ class SandboxManager:
         rec = self.get_record(sandbox_id)
         if rec.info.state is not S.ready:
             raise Conflict(f"sandbox {sandbox_id} is not a free pool member", sandbox_id=sandbox_id)
-        image = self.images.resolve(spec.image)
+        image = self.images.resolve_fast(spec.image)
         r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
         rec.spec, rec.env, rec.workdir = spec, r.env, r.workdir
         rec.info = rec.info.model_copy(update={"labels": spec.labels, "tenant": tenant, "timeout": r.timeout,
