@@ -59,6 +59,8 @@ class Metrics:
         self.components = _ComponentCounters()
         r.register(self.components)
         self.audit_records = Counter("dsec_audit_records", "Audit records written", registry=r)
+        self.gc_pause = Histogram("dsec_gc_pause_seconds", "Python cyclic-GC pauses of the API process "
+                                  "(they stop the event loop)", ["generation"], buckets=_API_BUCKETS, registry=r)
         self.loop_lag = Histogram("dsec_event_loop_lag_seconds", "How late the API event loop runs a timer "
                                   "(blocking work on the loop shows here)", buckets=_API_BUCKETS, registry=r)
         self.inflight_creates = Gauge("dsec_inflight_creates", "Sandbox creates in flight", registry=r)

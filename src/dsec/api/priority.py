@@ -19,8 +19,11 @@ matters for gVisor sandboxes, which run outside the sandbox cgroups).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("dsec.api")
@@ -48,3 +51,32 @@ def boost_server_threads(loop: asyncio.AbstractEventLoop, nice: int) -> bool:
     loop.set_default_executor(ThreadPoolExecutor(workers, thread_name_prefix="dsec-api",
                                                  initializer=boost_current_thread, initargs=(nice,)))
     return True
+
+
+class GcPauses:
+    """Records every cyclic-GC pause (generation, seconds) of this process.
+
+    The GC callback only appends to a bounded deque (no locks: a GC can start inside any
+    code, including code holding a metrics lock); ``drain()`` hands the pauses over.
+    """
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self.pauses: deque[tuple[int, float]] = deque(maxlen=maxlen)
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def drain(self) -> list[tuple[int, float]]:
+        out = []
+        while self.pauses:
+            out.append(self.pauses.popleft())
+        return out
+
+    def close(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)

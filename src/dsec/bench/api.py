@@ -276,7 +276,8 @@ async def _load(url: str, token: str, sandboxes: int, execs: int, probe_interval
             "health_during_creates": _stats([x for at, x in probe["latencies"] if w0 <= at < w1]),
             "health_during_execs": _stats([x for at, x in probe["latencies"] if at >= w1]),
             "killed": len(killed),
-            "server_loop_lag_during_execs": _lag_shares(lag0, lag1),
+            "server_loop_lag_during_execs": _lag_shares(lag0["lag"], lag1["lag"]),
+            "server_gc_pauses_during_execs": _lag_shares(lag0["gc"], lag1["gc"]),
         }
     return res
 
@@ -294,15 +295,16 @@ async def _wait_up(url: str) -> None:
     raise RuntimeError(f"reference server at {url} did not start")
 
 
-async def _loop_lag_buckets(c: Any) -> dict[str, float]:
-    """Cumulative buckets of the server's ``dsec_event_loop_lag_seconds`` histogram (how
-    late its loop runs a timer; ``+Inf`` = sample count)."""
+async def _loop_lag_buckets(c: Any) -> dict[str, dict[str, float]]:
+    """Cumulative buckets (``+Inf`` = count) of the server's loop-lag histogram (how late
+    its loop runs a timer) and of its GC pauses (all generations summed)."""
     text = (await c._http.get("/metrics")).text
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {"lag": {}, "gc": {}}
     for line in text.splitlines():
-        if line.startswith("dsec_event_loop_lag_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[le] = float(line.rsplit(" ", 1)[1])
+        for key, name in (("lag", "dsec_event_loop_lag_seconds_bucket"), ("gc", "dsec_gc_pause_seconds_bucket")):
+            if line.startswith(name):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                out[key][le] = out[key].get(le, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
