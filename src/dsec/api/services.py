@@ -57,9 +57,16 @@ class Services:
         check = None
         if images is not None:
             store = images
+            seen: dict[str, float] = {}  # ref -> when it last resolved (skip the thread hop)
 
             async def check(ref: str) -> None:  # NotFound naming the image, before any queueing
+                now = time.monotonic()
+                if now - seen.get(ref, -1e9) < settings.api_image_check_ttl_s:
+                    return
                 await asyncio.to_thread(store.resolve_fast, ref)
+                if len(seen) > 4096:
+                    seen.clear()
+                seen[ref] = now
         sandboxes = SandboxService(settings, node, state, metrics, audit, creator, image_check=check)
         return cls(settings=settings, state=state, node=node, images=images, metrics=metrics,
                    auth=TenantAuth(state), audit=audit, sandboxes=sandboxes)

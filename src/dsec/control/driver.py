@@ -41,7 +41,7 @@ ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> (
 UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
 POOL_LABEL = "dsec.pool"
 OWNER_LABEL = "dsec.owner"  # the lease owner, kept on the sandbox so a restart can adopt it
-_PERMANENT = (InvalidArgument, ImageError, Forbidden)
+_PERMANENT = (InvalidArgument, ImageError, Forbidden, NotFound)  # the same on every node: no retry
 
 
 def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings, *,
