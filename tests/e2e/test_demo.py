@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_real_episodes(tmp_path: Path) -> None:
-    """Two episodes pass (one after fixing a failing test), the report is written, and the
+    """Two episodes pass (one after fixing a failing test), both start from the warm pool
+    the demo declared first (counted by the scheduler), the report is written, and the
     demo's server is gone with no sandbox mount left under DSEC_HOME."""
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
@@ -28,6 +29,7 @@ def test_demo_runs_real_episodes(tmp_path: Path) -> None:
         s = json.loads(r.stdout)
         assert (s["episodes"], s["passed"], s["fixed_after_failing_test"]) == (2, 2, 1)
         assert s["tool_calls"] == 14 and s["start_ms"]["p50"] > 0 and s["exec_ms"]["p99"] > 0
+        assert s["warm_pool"]["ready"] == 2 and s["warm_pool"]["hits"] == 2
         report = json.loads((tmp_path / "reports" / f"{s['run_id']}.json").read_text())
         assert len(report["episodes_detail"]) == 2
         assert "| episodes passed | 2/2 |" in (tmp_path / "reports" / f"{s['run_id']}.md").read_text()
