@@ -81,3 +81,19 @@ def test_denied_attempts_reach_the_audit_log(server: Server) -> None:
         assert len(_denied(c, sid)) == DISTINCT  # teardown re-read did not duplicate
     out = server.cli("logs", sid).stdout
     assert "network_denied" in out and gw in out
+
+
+def test_cli_shows_and_updates_the_allow_list(server: Server) -> None:
+    """`dsec run --allow` opens a destination; `dsec network ID` shows the list, replaces
+    it live (--allow) and closes everything (--deny-all)."""
+    import json
+
+    r = server.cli("run", "busybox", "--allow", "10.250.9.9:80", "--keep", "--json", "--", "true")
+    sid = json.loads(r.stdout)["sandbox_id"]
+    try:
+        assert json.loads(server.cli("network", sid, "--json").stdout)["network"] == ["10.250.9.9:80"]
+        assert json.loads(server.cli("network", sid, "--allow", "10.250.9.10:443", "--json").stdout)[
+            "network"] == ["10.250.9.10:443"]
+        assert "nothing allowed" in server.cli("network", sid, "--deny-all").stdout
+    finally:
+        server.cli("kill", sid)

@@ -90,6 +90,25 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     @handle_errors
+    def network(sandbox_id: str = typer.Argument(...),
+                allow: list[str] | None = typer.Option(None, "--allow",
+                                                       help="New egress allow-list entry (repeatable)"),
+                deny_all: bool = typer.Option(False, "--deny-all", help="Close every destination"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+        """Show a sandbox's egress allow-list, or replace it live (--allow ... / --deny-all)."""
+        if allow and deny_all:
+            raise typer.BadParameter("give --allow entries or --deny-all, not both")
+        c = client()
+        info = c.update_network(sandbox_id, [] if deny_all else allow) if (allow or deny_all) else c.get(sandbox_id)
+        if as_json:
+            print_json({"id": info.id, "network": info.network})
+        elif info.network is None:
+            out.print(f"{info.id}: no network (created with network=None; only its own loopback)")
+        else:
+            out.print(f"{info.id}: " + (", ".join(info.network) if info.network else "nothing allowed"))
+
+    @app.command()
+    @handle_errors
     def ps(label: list[str] | None = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
         """List your sandboxes (state, image, age, labels, cpu/mem limits)."""
         infos = client().list(parse_labels(label))
