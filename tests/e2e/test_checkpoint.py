@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from e2e_server import Server
 
-from dsec.errors import Conflict, NotFound
+from dsec.errors import Conflict, DSecError, NotFound
 from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
 
 pytestmark = pytest.mark.integration
@@ -102,6 +102,27 @@ def test_checkpoint_errors_and_tenancy(server: Server) -> None:
         with pytest.raises(Conflict, match="destroyed|stopp"):
             c.checkpoint(sb.id)
         c.remove_tenant("ckpt-other")
+
+
+def test_corrupt_checkpoint_is_refused(server: Server) -> None:
+    """A checkpoint whose layer no longer matches its digest is refused (digest named) and
+    no sandbox is created from it."""
+    import json
+
+    with Client(server.url, server.token) as c:
+        with Sandbox.create(image="busybox", client=c) as sb:
+            sb.exec("head -c 100000 /dev/urandom > /data.bin")
+            cp = sb.checkpoint()
+        unit = next((server.home / "checkpoints" / "episodes").glob(f"sbckpt.*.{cp.id[3:]}/units/*.json"))
+        digest = json.loads(unit.read_text())["fs_chain"][0]["digest"]
+        blob = server.home / "checkpoints" / "cas" / "sha256" / digest.removeprefix("sha256:")
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        before = {s.id for s in c.list()}
+        with pytest.raises(DSecError, match=digest.removeprefix("sha256:")[:12]):
+            Sandbox.restore(cp.id, client=c)
+        assert {s.id for s in c.list()} == before
 
 
 def test_async_restore(server: Server) -> None:
