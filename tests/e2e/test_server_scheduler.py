@@ -265,3 +265,12 @@ def test_cli_pool_and_sched(srv: ServeProcess) -> None:
     assert st["nodes"] and "warm_hits" in st["stats"]
     assert "CPU ALLOC/BOUND" in run("sched")
     run("pool", "set", "busybox", "--size", "0", "--cpu", "0.25", "--memory", "40M")
+
+
+def test_scheduler_metrics_are_exported(srv: ServeProcess) -> None:
+    """/metrics carries the scheduler's queue depth, counters and per-node allocation vs
+    the overcommit bound (labels: node ids and fixed counter names only)."""
+    text = httpx.get(f"{srv.url}/metrics", headers=_auth(srv), timeout=60).text
+    assert "dsec_scheduler_queue_depth " in text
+    assert 'dsec_scheduler_events_total{event="warm_hits"}' in text
+    assert "dsec_node_cpu_allocated_ratio{node=" in text and "dsec_node_warm_sandboxes{node=" in text

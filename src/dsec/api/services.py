@@ -89,7 +89,10 @@ class Services:
             except NotFound:
                 await node.destroy(sandbox_id)
 
+        from dsec.api.sched_metrics import SchedulerCollector
+
         self.scheduler = driver
+        self.metrics.registry.register(SchedulerCollector(driver))
         self.sandboxes.set_placement(driver.create, destroy)
         self.sandboxes.preempted = driver.preempted
         self.sandboxes.forget_preempted = driver.forget_preempted
