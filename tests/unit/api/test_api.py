@@ -226,6 +226,14 @@ async def test_grafana_dashboard_uses_exported_metrics(env: Env) -> None:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\b(dsec_[a-z_]+)", e)}
     env.node.stats = lambda: {"layer_cache_hits": 1, "leaks_reaped": 0}  # type: ignore
+    from types import SimpleNamespace
+
+    from dsec.api.sched_metrics import SchedulerCollector
+    from dsec.control.scheduler import Scheduler
+
+    sched = Scheduler(env.services.settings)  # what attach_scheduler registers on `dsec serve`
+    sched.upsert_node("n0", 2, 1 << 30, 1 << 30)
+    env.services.metrics.registry.register(SchedulerCollector(SimpleNamespace(sched=sched)))
     sb = await _create(env.alice)
     await env.alice.post(f"/v1/sandboxes/{sb['id']}/exec", json={"cmd": "echo"})
     text = (await env.anon.get("/metrics")).text
