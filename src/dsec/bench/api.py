@@ -71,7 +71,9 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     from dsec.models import ExecRequest, SandboxSpec
     from dsec.sdk import AsyncClient, Client
 
-    settings = Settings(home=home)
+    # No loop boost here: it would stay on this process's main thread and give the load
+    # client below (an ordinary program in real use) the server's priority.
+    settings = Settings(home=home, api_loop_nice=0)
     services = build_embedded(settings)
     token = ensure_local_token(services)
     server = uvicorn.Server(uvicorn_config(create_app(services), settings, "127.0.0.1", 0, "warning"))
