@@ -176,3 +176,20 @@ def test_server_loop_boosted_sandboxes_not(server: Server) -> None:
     with Client(server.url, server.token) as c, Sandbox.create(image="busybox", client=c) as sb:
         nices = sb.exec("cut -d' ' -f19 /proc/1/stat /proc/self/stat").stdout.split()
         assert nices == ["0", "0"]
+
+
+def test_default_async_client_exits_cleanly(server: Server) -> None:
+    """A program that uses the default AsyncClient (never closed) under asyncio.run exits
+    without "Unclosed client session" noise: the loop's shutdown closes it."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, dsec\n"
+            "async def main():\n"
+            "    async with await dsec.AsyncSandbox.create(image='busybox') as sb:\n"
+            "        print((await sb.exec('echo hi')).stdout, end='')\n"
+            "asyncio.run(main())\n")
+    env = {**server.env, "DSEC_URL": server.url, "DSEC_TOKEN": server.token}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "hi\n", r.stderr
+    assert "Unclosed" not in r.stderr, r.stderr

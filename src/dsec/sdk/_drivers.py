@@ -38,9 +38,10 @@ class _Aio:
         self._cfg = cfg
         self._base = cfg.url.rstrip("/")
         self._session: Any = None
+        self._closer: AsyncIterator[None] | None = None
         self._headers = default_headers(cfg)
 
-    def _sess(self) -> Any:
+    async def _sess(self) -> Any:
         # Made lazily: an aiohttp session belongs to the loop it is first used on, and
         # clients are often constructed before the loop runs.
         if self._session is None or self._session.closed:
@@ -49,6 +50,11 @@ class _Aio:
                                         keepalive_timeout=self._cfg.keepalive_s)
             self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
                                                   timeout=aiohttp.ClientTimeout(total=self._cfg.timeout_s))
+            # Clients that are never closed (``AsyncClient.default()``, forgotten ones) must
+            # not end the program with "Unclosed client session" errors: a suspended async
+            # generator is closed by the loop's shutdown (asyncio.run), and closes the session.
+            self._closer = _close_at_loop_shutdown(self._session)
+            await anext(self._closer)
         return self._session
 
     def _kwargs(self, call: Call[Any]) -> dict[str, Any]:
@@ -78,7 +84,7 @@ class _Aio:
     async def request(self, call: Call[Any]) -> Response:
         import aiohttp
         try:
-            async with self._sess().request(call.method, self._base + call.path, **self._kwargs(call)) as r:
+            async with (await self._sess()).request(call.method, self._base + call.path, **self._kwargs(call)) as r:
                 body = await r.read()
                 return Response(r.status, {k.lower(): v for k, v in r.headers.items()}, body)
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -88,7 +94,7 @@ class _Aio:
         """NDJSON lines of a streamed answer (no line-length limit: chunks are split here)."""
         import aiohttp
         try:
-            async with self._sess().request(call.method, self._base + call.path, **self._kwargs(call)) as r:
+            async with (await self._sess()).request(call.method, self._base + call.path, **self._kwargs(call)) as r:
                 if r.status >= 400:
                     raise error_of(Response(r.status, {k.lower(): v for k, v in r.headers.items()},
                                             await r.read()))
@@ -104,9 +110,20 @@ class _Aio:
             raise self._mapped(e) from e
 
     async def close(self) -> None:
+        if self._closer is not None:
+            await self._closer.aclose()  # closes the session
+            self._closer = None
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _close_at_loop_shutdown(session: Any) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        if not session.closed:
+            await session.close()
 
 
 class _U3:
