@@ -55,17 +55,21 @@ class UsageWindow:
         return cls(s.overcommit_window_s, s.overcommit_predict_window_s, s.overcommit_predict_factor)
 
     def add(self, now: float, frac: float) -> None:
-        self._recent.append((now, frac))
-        self._recent_sum += frac
+        # Called for every node every sample period: locals, one dict probe per call.
+        recent = self._recent
+        recent.append((now, frac))
+        rsum = self._recent_sum + frac
         cutoff = now - self.window_s
-        while self._recent and self._recent[0][0] < cutoff:
-            self._recent_sum -= self._recent.popleft()[1]
+        while recent and recent[0][0] < cutoff:
+            rsum -= recent.popleft()[1]
+        self._recent_sum = rsum
         b = int(now // self._bucket_s)
-        cell = self._buckets.get(b)
+        buckets = self._buckets
+        cell = buckets.get(b)
         if cell is None:
-            self._buckets[b] = cell = [0.0, 0.0]
-            for old in [k for k in self._buckets if k <= b - self._nbuckets]:
-                gone = self._buckets.pop(old)
+            buckets[b] = cell = [0.0, 0.0]
+            for old in [k for k in buckets if k <= b - self._nbuckets]:
+                gone = buckets.pop(old)
                 self._sum -= gone[0]
                 self._n -= gone[1]
         cell[0] += frac
@@ -80,7 +84,11 @@ class UsageWindow:
         return max(0.0, self._sum / self._n) if self._n else 0.0
 
     def predicted(self) -> float:
-        return max(self.recent_mean(), self.long_mean() * self.factor)
+        # = max(recent_mean(), long_mean() * factor), inlined (hot: every node, every sample).
+        recent = self._recent_sum / len(self._recent) if self._recent else 0.0
+        n = self._n
+        long = (max(0.0, self._sum / n) if n else 0.0) * self.factor
+        return recent if recent >= long else long
 
 
 def fits(node: Node, req: Request, ratio: float, threshold: float) -> bool:

@@ -164,7 +164,7 @@ class OursPolicy:
     def choose(self, req: Request, image: Image, cluster: ClusterView,
                rng: random.Random) -> tuple[Node, int] | None:
         total = image.total_bytes or 1
-        layers = image.layers
+        layers, digests = image.layers, image.digests
         ratio, thr = self.ratio, self.threshold
         wl, wload, wp, spread = self.wl, self.wload, self.wp, self.spread
         near = self.miss * total
@@ -188,9 +188,10 @@ class OursPolicy:
                 continue
             have = node.layers
             miss = 0
-            for d, sz in layers:
-                if d not in have:
-                    miss += sz
+            if not digests <= have:  # most candidates hold the whole image: one C-level test
+                for d, sz in layers:
+                    if d not in have:
+                        miss += sz
             score = (wl * (1.0 - miss / total) - wload * (node.used_cpu / node.cpu)
                      - wp * node.predicted - spread * node.batch_load)
             if score > best_s:

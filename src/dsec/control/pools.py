@@ -40,22 +40,27 @@ class PoolBook:
         return sum(len(v) for v in self.free.values())
 
     def take(self, req: Request) -> Running | None:
-        lst = self.free.get(req.shape)
+        shape = req.shape
+        lst = self.free.get(shape)
         if not lst:
-            self.dirty[req.shape] = None
-            self.misses["empty" if self.targets.get(req.shape) else "cold"] += 1
+            self.dirty[shape] = None
+            self.misses["empty" if self.targets.get(shape) else "cold"] += 1
             return None
         nodes = self.sched.cluster.nodes
+        excluded, selector = req.excluded, req.selector
         for i in range(len(lst) - 1, -1, -1):
             r = lst[i]
             node = nodes[r.node_id]
-            if not node.healthy or r.node_id in req.excluded:
+            if not node.healthy or (excluded and r.node_id in excluded):
                 continue
-            if req.selector and any(node.labels.get(k) != v for k, v in req.selector.items()):
+            if selector and any(node.labels.get(k) != v for k, v in selector.items()):
                 continue
-            lst.pop(i)
+            if i == len(lst) - 1:
+                lst.pop()
+            else:
+                lst.pop(i)
             node.warm_count -= 1
-            self.dirty[req.shape] = None
+            self.dirty[shape] = None
             return r
         return None
 

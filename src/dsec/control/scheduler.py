@@ -110,7 +110,7 @@ class Scheduler:
         """Feed one usage sample (fraction of the node's CPU really in use)."""
         w = self.usage[node_id]
         w.add(now, frac)
-        self._node(node_id).predicted = w.predicted()
+        self.cluster.nodes[node_id].predicted = w.predicted()
 
     def node_lost(self, node_id: str, now: float) -> list[Running]:
         """A node died: mark it unhealthy, retry its pending creations, forget its sandboxes."""
@@ -143,7 +143,8 @@ class Scheduler:
                                   f"use one of {sorted(KNOWN_TIERS)}")
         if req.cpu <= 0 or req.memory <= 0 or req.disk <= 0:
             raise InvalidArgument(f"request {req.request_id!r}: cpu, memory and disk must be > 0")
-        key = (req.isolation, req.gpu, req.cpu, req.memory, req.disk, tuple(sorted(req.selector.items())))
+        sel = req.selector
+        key = (req.isolation, req.gpu, req.cpu, req.memory, req.disk, tuple(sorted(sel.items())) if sel else ())
         ok = self._fit_cache.get(key)
         if ok is None:
             ok = self._fit_cache[key] = any(could_ever_fit(n, req, self.s.overcommit_ratio)

@@ -61,6 +61,7 @@ class TenantQueues:
         self.total_cpu = 1.0
         self.total_memory = 1
         self._len = 0
+        self._class_len = [0, 0, 0]  # queued per priority class, all tenants (for position)
 
     def __len__(self) -> int:
         return self._len
@@ -78,8 +79,11 @@ class TenantQueues:
 
     def check_quota(self, req: Request) -> None:
         """Raise ``QuotaExceeded`` if ``req`` can never run for its tenant or the queue is full."""
-        t = self.tenant(req.tenant)
+        t = self.tenants.get(req.tenant) or self.tenant(req.tenant)
         q = t.quota
+        if req.cpu <= q.cpu and req.memory <= q.memory and 0 < q.max_sandboxes and (
+                len(t.queues[0]) + len(t.queues[1]) + len(t.queues[2]) < self.max_queued):
+            return  # the common case, without building the error tuples
         for what, need, limit in (("cpu", req.cpu, q.cpu), ("memory", req.memory, q.memory)):
             if need > limit:
                 raise QuotaExceeded(
@@ -95,13 +99,14 @@ class TenantQueues:
                 f"{self.max_queued}); wait for some to start", quota="max_queued", limit=self.max_queued)
 
     def push(self, req: Request, front: bool = False) -> None:
-        t = self.tenant(req.tenant)
+        t = self.tenants.get(req.tenant) or self.tenant(req.tenant)
         q = t.queues[req.priority]
         if front:
             q.appendleft(req)
         else:
             q.append(req)
         self._len += 1
+        self._class_len[req.priority] += 1
 
     def remove(self, req: Request) -> bool:
         try:
@@ -109,6 +114,7 @@ class TenantQueues:
         except ValueError:
             return False
         self._len -= 1
+        self._class_len[req.priority] -= 1
         return True
 
     def _share(self, t: TenantState) -> float:
@@ -143,10 +149,11 @@ class TenantQueues:
             return None
         t, cls = best
         self._len -= 1
+        self._class_len[cls] -= 1
         return t.queues[cls].popleft()
 
     def charge(self, tenant: str, cpu: float, memory: int, sign: int) -> None:
-        t = self.tenant(tenant)
+        t = self.tenants.get(tenant) or self.tenant(tenant)
         t.count += sign
         t.cpu += sign * cpu
         t.memory += sign * memory
@@ -164,8 +171,9 @@ class TenantQueues:
                 own = t.queues[req.priority].index(req)
             except ValueError:
                 return 0
-        ahead = sum(len(o.queues[c]) for o in self.tenants.values() for c in range(req.priority))
-        sharing = sum(1 for o in self.tenants.values() if o.queues[req.priority]) or 1
+        ahead = sum(self._class_len[: req.priority])
+        p = req.priority
+        sharing = sum(1 for o in self.tenants.values() if o.queues[p]) or 1
         return ahead + own * sharing
 
     def describe(self) -> dict[str, dict[str, int]]:

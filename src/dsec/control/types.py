@@ -34,6 +34,7 @@ class Image:
     anchor: str = ""
     top: str = ""
     probe: tuple[str, ...] = ()  # (top, anchor), or (anchor,) when they are one layer
+    digests: frozenset[str] = frozenset()  # a node holding all of them misses 0 bytes (fast path)
 
     def __post_init__(self) -> None:
         self.total_bytes = sum(s for _, s in self.layers)
@@ -41,6 +42,7 @@ class Image:
             self.anchor = max(self.layers, key=lambda ds: ds[1])[0]
             self.top = self.layers[-1][0]
             self.probe = (self.top, self.anchor) if self.top != self.anchor else (self.anchor,)
+            self.digests = frozenset(d for d, _ in self.layers)
 
 
 @dataclass(slots=True)

@@ -57,30 +57,32 @@ class SimLayerCache:
         added: list[str] = []
         self.image_last[image] = now
         self.image_layers[image] = layers
+        sizes, uses, last, layer_images, pins = self.sizes, self.uses, self.last, self.layer_images, self.pins
         for d, sz in layers:
-            if d in self.sizes:
+            if d in sizes:
                 hits += 1
+                uses[d] += 1
+                layer_images[d].add(image)
             else:
-                self.sizes[d] = sz
+                sizes[d] = sz
                 self.first[d] = now
-                self.uses[d] = 0
-                self.layer_images[d] = set()
+                uses[d] = 1
+                layer_images[d] = {image}
                 self.bytes += sz
                 pulled += sz
                 added.append(d)
-            self.uses[d] += 1
-            self.last[d] = now
-            self.layer_images[d].add(image)
-            self.pins[d] = self.pins.get(d, 0) + 1
+            last[d] = now
+            pins[d] = pins.get(d, 0) + 1
         return hits, pulled, added
 
     def release(self, layers: tuple[tuple[str, int], ...]) -> None:
+        pins = self.pins
         for d, _ in layers:
-            n = self.pins.get(d, 0) - 1
+            n = pins.get(d, 0) - 1
             if n > 0:
-                self.pins[d] = n
+                pins[d] = n
             else:
-                self.pins.pop(d, None)
+                pins.pop(d, None)
 
     def maybe_evict(self, now: float) -> list[str]:
         if len(self.image_last) <= self.floor + self.slack and self.bytes <= self.max_bytes:

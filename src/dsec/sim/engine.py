@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 import math
 import time
 from array import array
@@ -96,6 +97,8 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
     for im in images:
         sched.register_image(im.name, im.layers, version="v1")
     img_index = {im.name: k for k, im in enumerate(images)}
+    img_bytes = [sum(sz for _, sz in im.layers) for im in images]
+    node_idx = {nid: i for i, nid in enumerate(names)}
     caches = [SimLayerCache(cfg.cache_max_images, cfg.cache_max_bytes) for _ in range(n_nodes)]
     use = [0.0] * n_nodes
     epoch = [0] * n_nodes
@@ -114,15 +117,14 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
              decision_s=0.0, decisions=0)
     series: list[dict] = []
     heap: list[tuple] = []
-    seq = 0
+    nxt = itertools.count(1).__next__  # event sequence: FIFO among equal times
+    heappush, heappop = heapq.heappush, heapq.heappop
     horizon = cfg.hours * 3600.0
     bw = s.batch_window_s
     batch_at = -1.0
 
     def push(t: float, kind: int, data: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, data))
+        heappush(heap, (t, nxt(), kind, data))
 
     def want_batch(t: float) -> None:
         nonlocal batch_at
@@ -159,6 +161,7 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
         t0 = time.perf_counter()
         out = sched.next_batch(now)
         m["decision_s"] += time.perf_counter() - t0
+        plim = sched.parallel_limit()  # fixed until the next scheduler call that moves the queue
         for p in out:
             if p.kind == "destroy":
                 kill(p.sandbox_id)  # type: ignore[arg-type]
@@ -179,7 +182,7 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
                 m["user_placed"] += 1
                 push(sb.end, END, p.sandbox_id)
                 continue
-            i = int(p.node_id[1:])
+            i = node_idx[p.node_id]
             for sid in p.evict + p.preempt:
                 sb = kill(sid)
                 if sb is not None and sb.arrival is not None:
@@ -191,7 +194,7 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
             m["layer_lookups"] += len(im.layers)
             m["layer_hits"] += hits
             m["bytes_pulled"] += pulled
-            m["bytes_wanted"] += sum(sz for _, sz in im.layers)
+            m["bytes_wanted"] += img_bytes[k]
             if added:
                 sched.layers_changed(p.node_id, added)
             gone = caches[i].maybe_evict(now)
@@ -204,11 +207,11 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
             # At most parallel_limit() starts run at once per node (raised under backpressure):
             # a start takes the earliest free slot.
             slots = start_slots[i]
-            while len(slots) < sched.parallel_limit():
-                heapq.heappush(slots, 0.0)
-            ready = max(ready, heapq.heappop(slots))
+            while len(slots) < plim:
+                heappush(slots, 0.0)
+            ready = max(ready, heappop(slots))
             ready += cfg.start_latency_s + (cfg.gvisor_extra_s if im.isolation == "gvisor" else 0.0)
-            heapq.heappush(slots, ready)
+            heappush(slots, ready)
             m["creates"] += 1
             if p.kind == "create":
                 m["user_placed"] += 1
@@ -247,7 +250,7 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
             ci = 0
         t_arr = chunk[ci].t if chunk else math.inf
         if heap and heap[0][0] <= t_arr:
-            now, _, kind, data = heapq.heappop(heap)
+            now, _, kind, data = heappop(heap)
         elif chunk:
             now, kind, data = t_arr, ARRIVE, chunk[ci]
             ci += 1
@@ -290,7 +293,9 @@ def _run_policy(cfg: SimConfig, policy: str, base: Settings | None,
             sb = sbs.get(data)  # type: ignore[arg-type]
             if sb is None or sb.end != now:
                 continue
-            kill(data)  # type: ignore[arg-type]
+            del sbs[data]  # = kill(data), inlined: one END per sandbox
+            use[sb.node] -= sb.use
+            caches[sb.node].release(images[sb.image].layers)
             sched.on_released(data, now)  # type: ignore[arg-type]
             if len(sched.queues):
                 want_batch(now)
