@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+from pathlib import Path
 
 import pytest
-from e2e_server import Server
+from e2e_server import Server, ensure_images, reap_home, start_server
 
 from dsec.errors import Conflict, DSecError, NotFound
 from dsec.sdk import AsyncClient, AsyncSandbox, Client, Sandbox
@@ -135,3 +137,34 @@ def test_async_restore(server: Server) -> None:
             async with await AsyncSandbox.restore(cp.id, client=c) as sb2:
                 assert await sb2.files.read("/x") == b"async"
     asyncio.run(main())
+
+
+def test_restored_sandbox_checkpoints_after_restart(tmp_path: Path) -> None:
+    """A restored sandbox adopted by a restarted server still checkpoints on top of the
+    checkpoint it came from (its base is recorded durably, not only in memory): a restore
+    of that new checkpoint has the base's files and the new ones."""
+    ensure_images(tmp_path, ["busybox"])
+    srv = start_server(tmp_path)
+    try:
+        with Client(srv.url, srv.token) as c:
+            with Sandbox.create(image="busybox", client=c) as sb:
+                sb.exec("echo base > /base.txt && rm /bin/ls")
+                cp = sb.checkpoint()
+            sb2 = Sandbox.restore(cp.id, client=c)
+        assert srv.stop(signal.SIGTERM) == 0
+        srv = start_server(tmp_path)
+        with Client(srv.url, srv.token) as c:
+            sb2 = Sandbox.connect(sb2.id, client=c)
+            sb2.exec("echo new > /new.txt")
+            cp2 = sb2.checkpoint()
+            assert cp2.parent == cp.id
+            sb2.kill()
+            with Sandbox.restore(cp2.id, client=c) as sb3:
+                r = sb3.exec("cat /base.txt /new.txt; test -e /bin/ls && echo ls-back")
+                assert r.stdout == "base\nnew\n"
+    finally:
+        if srv.proc.poll() is not None:
+            srv = start_server(tmp_path)
+        srv.kill_all()
+        srv.stop()
+        reap_home(tmp_path)
