@@ -79,6 +79,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
             if manage_lifecycle:
                 gc_task.cancel()
                 gc_pauses.close()
+                gc.unfreeze()  # an app in a longer-lived process (tests) must not pin its objects
                 await services.close()
 
     app = FastAPI(title="DSec API", version=__version__, lifespan=lifespan,
