@@ -56,6 +56,27 @@ class RequestMetrics:
                                             status=f"{status // 100}xx").observe(time.perf_counter() - t0)
 
 
+class DSecApp(FastAPI):
+    """FastAPI whose front door is ``RequestMetrics(HotPath(<the whole FastAPI stack>))``.
+
+    The exec/health fast path sits in front of FastAPI's own middlewares too (error
+    middleware, telemetry — which reads the OpenTelemetry env on every request — body
+    limits), not just the routing: for an exec those cost about as much as the fast path
+    itself. Everything else goes through FastAPI unchanged.
+    """
+
+    front: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.front is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.front(scope, receive, send)
+
+    async def fastapi(self, scope: Scope, receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send)
+
+
 def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: bool = True) -> FastAPI:
     """Build the app. With ``manage_lifecycle`` the ASGI lifespan starts and closes the
     services (node agent reconcile, audit flusher, housekeeping). ``hot_path=False`` leaves
@@ -82,7 +103,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
                 gc.unfreeze()  # an app in a longer-lived process (tests) must not pin its objects
                 await services.close()
 
-    app = FastAPI(title="DSec API", version=__version__, lifespan=lifespan,
+    app = DSecApp(title="DSec API", version=__version__, lifespan=lifespan,
                   description="Fast, secure, recoverable sandboxes for AI-agent training. "
                               "Errors are JSON {code, message, details}.")
     app.state.services = services
@@ -107,10 +128,10 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).
     app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))
-    # Added first = runs inside RequestMetrics (which labels it by the route template).
-    if hot_path:
-        app.add_middleware(HotPath, services=services)
-    app.add_middleware(RequestMetrics, metrics=services.metrics)
+    # RequestMetrics labels by the route template: FastAPI's router (or HotPath) sets
+    # scope["route"] in the shared scope dict before the response completes.
+    inner: ASGIApp = app.fastapi
+    app.front = RequestMetrics(HotPath(inner, services) if hot_path else inner, services.metrics)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app
 

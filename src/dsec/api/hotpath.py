@@ -10,13 +10,16 @@ by the same pydantic model, ``SandboxService.exec``, one JSON write. The FastAPI
 stay registered (OpenAPI, docs, and every other request) and define the contract: this
 path must answer exactly what they would, which ``tests/unit/api`` checks side by side.
 
-Errors use the same ``dsec.api.errors`` mapping; anything unexpected propagates to the
-app's ServerErrorMiddleware (500 JSON), as it would from a route.
+Errors use the same ``dsec.api.errors`` mapping; anything unexpected is logged and
+answered 500 JSON exactly like the app's catch-all handler (this path runs in front of
+FastAPI's middleware stack, see ``dsec.api.app.DSecApp``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
@@ -36,6 +39,8 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("dsec.api")
 
 _EXEC = re.compile(r"^/v1/sandboxes/([^/]+)/exec$")
 _ID = re.compile(ID_PATTERN)
@@ -107,6 +112,12 @@ class HotPath:
             res = await self._slotted(svc.sandboxes.exec(tenant, sandbox_id, req))
         except DSecError as err:
             await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
+            return
+        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
+            log.exception("unhandled error on POST %s", scope["path"])
+            await _reply(send, 500, json.dumps({
+                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
+                "for details", "details": {}}).encode())
             return
         await _reply(send, 200, res.model_dump_json().encode())
 

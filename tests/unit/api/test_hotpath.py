@@ -84,3 +84,25 @@ async def test_exec_slots_never_block_behind_a_long_command(tmp_path: Path) -> N
         assert (await long).status_code == 200
     finally:
         await env.services.close()
+
+
+async def test_hot_path_unexpected_error_is_500_json(tmp_path: Path) -> None:
+    """A bug below the fast path answers like the app's catch-all: 500 JSON, code internal."""
+    env = await make_env(tmp_path)
+    try:
+        ref = create_app(env.services, manage_lifecycle=False, hot_path=False)
+        sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+
+        async def broken(sandbox_id, req):  # type: ignore[no-untyped-def]
+            raise RuntimeError("boom")
+
+        env.node.exec = broken  # type: ignore[method-assign]
+        tok = {"authorization": f"Bearer {env.alice_token}"}
+        answers = []
+        for transport in (env.alice._transport, httpx.ASGITransport(app=ref, raise_app_exceptions=False)):
+            async with httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=tok) as c:
+                r = await c.post(f"/v1/sandboxes/{sb['id']}/exec", json={"cmd": "x"})
+            answers.append((r.status_code, r.json()))
+        assert answers[0] == answers[1] and answers[0][0] == 500 and answers[0][1]["code"] == "internal"
+    finally:
+        await env.services.close()
