@@ -168,3 +168,17 @@ def test_restored_sandbox_checkpoints_after_restart(tmp_path: Path) -> None:
         srv.kill_all()
         srv.stop()
         reap_home(tmp_path)
+
+
+@pytest.mark.gvisor
+def test_gvisor_checkpoint_restore(server: Server) -> None:
+    """A gVisor sandbox checkpoints and restores into a gVisor sandbox with its files, a
+    deleted image file still deleted, and its env."""
+    with Client(server.url, server.token) as c:
+        with Sandbox.create(image="busybox", isolation="gvisor", env={"A": "1"}, client=c) as sb:
+            assert sb.exec("echo hi > /w.txt && rm /bin/ls").exit_code == 0
+            cp = sb.checkpoint()
+        with Sandbox.restore(cp.id, client=c) as sb2:
+            assert sb2.info.isolation == "gvisor"
+            r = sb2.exec("cat /w.txt; test -e /bin/ls || echo gone; echo $A")
+            assert r.stdout == "hi\ngone\n1\n"
