@@ -111,6 +111,9 @@ class SandboxCheckpoints:
             await self.host.freeze(sandbox_id)  # no process may change files mid-walk
             try:
                 cap, adopt = await asyncio.to_thread(tracked.tracker.capture, upper, self._read_layer)
+            except OSError as e:
+                self._raise_if_gone(sandbox_id, e)
+                raise
             finally:
                 await self.host.thaw(sandbox_id)
             checkpoint_id = "ck-" + secrets.token_hex(12)
@@ -129,6 +132,14 @@ class SandboxCheckpoints:
             adopt()  # the tracker moves on only once the unit is durable
         self._prune()
         return info_of(meta)
+
+    def _raise_if_gone(self, sandbox_id: str, cause: BaseException) -> None:
+        """A walk that failed because the sandbox was killed/expired meanwhile is a 409."""
+        try:
+            self.node.manager.live_record(sandbox_id)
+        except errors.DSecError:
+            raise errors.Conflict(f"sandbox {sandbox_id} stopped during the checkpoint; nothing was saved",
+                                  sandbox_id=sandbox_id) from cause
 
     def _read_layer(self, ref: LayerRef) -> bytes:
         return read_part(self.store, ref)
