@@ -64,6 +64,7 @@ class SandboxService:
         self.audit = audit
         self._creator: Creator = creator or (lambda spec, sid, t: node.create(spec, sandbox_id=sid, tenant=t))
         self._destroyer: Destroyer = node.destroy
+        self._route: Callable[[Creator], Creator] | None = None
         self._image_check = image_check
         self._owners: dict[str, str] = {}
         self._inflight = 0
@@ -74,9 +75,12 @@ class SandboxService:
         self.preempted: Callable[[str], float | None] | None = None
         self.forget_preempted: Callable[[str], Awaitable[bool]] | None = None
 
-    def set_placement(self, creator: Creator, destroyer: Destroyer | None = None) -> None:
-        """Route creates (and kills) through another placement path: the scheduler driver."""
+    def set_placement(self, creator: Creator, destroyer: Destroyer | None = None,
+                      route: Callable[[Creator], Creator] | None = None) -> None:
+        """Route creates (and kills) through another placement path: the scheduler driver.
+        ``route`` wraps a per-call creator (a restore) so it is queued and accounted too."""
         self._creator = creator
+        self._route = route
         if destroyer is not None:
             self._destroyer = destroyer
 
@@ -214,6 +218,8 @@ class SandboxService:
                 await asyncio.to_thread(self.state.record_sandbox, sandbox_id, tenant.name, time.time())
                 self._owners[sandbox_id] = tenant.name
                 self._creating.add(sandbox_id)
+            if creator is not None and self._route is not None:
+                creator = self._route(creator)
             info = await (creator or self._creator)(spec, sandbox_id, tenant.name)
         except Exception as e:
             self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()

@@ -93,7 +93,7 @@ class Services:
 
         self.scheduler = driver
         self.metrics.registry.register(SchedulerCollector(driver))
-        self.sandboxes.set_placement(driver.create, destroy)
+        self.sandboxes.set_placement(driver.create, destroy, route=driver.route)
         self.sandboxes.preempted = driver.preempted
         self.sandboxes.forget_preempted = driver.forget_preempted
         driver.on_reaped = self.sandboxes.reaped

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # Preemption on a real node: (tenant, sandbox_id) -> checkpoint id, taken before the stop;
 # (tenant, checkpoint_id, sandbox_id) -> the victim re-created from it under the same id.
+Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]  # (spec, sandbox_id, tenant) -> info
 PreemptCheckpoint = Callable[[str, str], Awaitable[str]]
 PreemptResume = Callable[[str, str, str], Awaitable[SandboxInfo]]
 ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
@@ -92,6 +93,7 @@ class SchedulerDriver:
         self.clock = clock
         self._waiters: dict[str, asyncio.Future[SandboxInfo]] = {}
         self._sids: dict[str, str] = {}  # request id -> sandbox id chosen by the caller
+        self._via: dict[str, Creator] = {}  # request id -> how to build it (restores)
         self._sems: dict[str, asyncio.Semaphore] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -193,7 +195,7 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------------ API
     def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
-               task_type: str | None = None, sandbox_id: str | None = None) -> Ticket:
+               task_type: str | None = None, sandbox_id: str | None = None, cold: bool = False) -> Ticket:
         """Queue a create; raises InvalidArgument / QuotaExceeded / Overloaded (429 + retry_after)."""
         if spec.image not in self.sched.images:
             layers, version = (self.image_resolver(spec.image) if self.image_resolver
@@ -201,6 +203,7 @@ class SchedulerDriver:
             self.sched.register_image(spec.image, layers, version)
         spec = self._default_to_fit(spec)
         req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
+        req.cold = cold
         t = self.sched.submit(req, self.clock())
         if t.state in ("queued", "placed") and request_id not in self._waiters:
             self._waiters[request_id] = asyncio.get_running_loop().create_future()
@@ -247,7 +250,15 @@ class SchedulerDriver:
             raise Timeout(f"request {request_id!r} not placed within {timeout}s "
                           f"(state {t.state if t else 'unknown'}, position {t.position if t else 0})") from None
 
-    async def create(self, spec: SandboxSpec, sandbox_id: str, tenant: str) -> SandboxInfo:
+    def route(self, via: Creator) -> Creator:
+        """A creator that places like ``create`` (queue, capacity, 429) but builds the sandbox
+        with ``via`` (e.g. a restore from a checkpoint: never a warm hand-over)."""
+        async def routed(spec: SandboxSpec, sandbox_id: str, tenant: str) -> SandboxInfo:
+            return await self.create(spec, sandbox_id, tenant, via=via)
+        return routed
+
+    async def create(self, spec: SandboxSpec, sandbox_id: str, tenant: str, *,
+                     via: Creator | None = None) -> SandboxInfo:
         """The API service's ``Creator`` seam: submit and wait. Idempotent by request id.
 
         The returned info's id may differ from ``sandbox_id`` on a warm-pool hit (the
@@ -258,7 +269,13 @@ class SchedulerDriver:
         if spec.owner is not None:
             owner = lease_key(tenant, spec.owner)
             spec = spec.model_copy(update={"labels": {**spec.labels, OWNER_LABEL: spec.owner}})
-        self.submit(spec, tenant, rid, sandbox_id=sandbox_id, owner=owner)
+        if via is not None:
+            self._via[rid] = via
+        try:
+            self.submit(spec, tenant, rid, sandbox_id=sandbox_id, owner=owner, cold=via is not None)
+        except Exception:
+            self._via.pop(rid, None)
+            raise
         try:
             return await self.wait(rid, self.s.api_create_wait_s)
         except Timeout:
@@ -276,6 +293,7 @@ class SchedulerDriver:
         if t is None or t.state != "queued" or not self.sched.cancel(request_id):
             return False
         self._sids.pop(request_id, None)
+        self._via.pop(request_id, None)
         ra = retry_after_s(self.sched.depth(), self.s, self.sched.drain_rate)
         err = Overloaded(f"request {request_id!r} found no node with room within {self.s.api_create_wait_s:g}s "
                          f"(queue position {position}); it was withdrawn: retry after {ra:g}s, or free "
@@ -504,6 +522,9 @@ class SchedulerDriver:
                 # Killed by its user while queued (or never checkpointed): nothing to resume.
                 self.sched.on_failed(req.request_id, self.clock(), "resumption withdrawn", retriable=False)
                 return
+            elif req.request_id in self._via:
+                info = await self._via[req.request_id](spec, self._sids.get(req.request_id) or "", req.tenant)
+                self._via.pop(req.request_id, None)
             elif p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
                 # A pooled create stays "ready" with no TTL running until it is claimed.
                 info = await agent.create(spec, pooled=True)  # type: ignore[call-arg]
@@ -536,6 +557,7 @@ class SchedulerDriver:
         t = self.sched.on_failed(request_id, self.clock(), error, retriable=retriable)
         if t is not None and t.state == "failed":
             self._sids.pop(request_id, None)
+            self._via.pop(request_id, None)
             fut = self._waiters.pop(request_id, None)
             if fut is not None and not fut.done():
                 # The user's own mistake (bad spec, image, permission) keeps its type and
@@ -546,6 +568,7 @@ class SchedulerDriver:
 
     def _resolve(self, request_id: str, info: SandboxInfo) -> None:
         self._sids.pop(request_id, None)
+        self._via.pop(request_id, None)
         fut = self._waiters.pop(request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(info)

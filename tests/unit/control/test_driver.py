@@ -306,3 +306,28 @@ async def test_right_sizing_from_observed_cpu_on_release() -> None:
         assert r.cpu == round(asked * d.s.rightsize_min_fraction, 2) < asked and info.cpu == 1
     finally:
         await d.close()
+
+
+async def test_routed_creator_is_queued_accounted_and_never_warm() -> None:
+    """A per-call creator (a restore) goes through the scheduler: it is placed like any
+    create (capacity accounted, same sandbox id) and built by that creator, never handed
+    a warm pool member."""
+    a = MemAgent("n0")
+    d = await _driver([a], pools=True)
+    built: list[str] = []
+
+    async def restore(s: SandboxSpec, sid: str, tenant: str) -> SandboxInfo:
+        built.append(sid)
+        return await a.create(s, sandbox_id=sid, tenant=tenant)
+
+    try:
+        d.set_pool(spec(), 1)
+        for _ in range(100):
+            if d.sched.pools.size():  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(0.02)
+        info = await d.route(restore)(spec(), "sb-restored", "t1")
+        assert info.id == "sb-restored" and built == ["sb-restored"]
+        assert "sb-restored" in d.sched.running and d.sched.stats["warm_hits"] == 0
+    finally:
+        await d.close()
