@@ -197,10 +197,7 @@ class SchedulerDriver:
     def submit(self, spec: SandboxSpec, tenant: str, request_id: str, *, owner: str | None = None,
                task_type: str | None = None, sandbox_id: str | None = None, cold: bool = False) -> Ticket:
         """Queue a create; raises InvalidArgument / QuotaExceeded / Overloaded (429 + retry_after)."""
-        if spec.image not in self.sched.images:
-            layers, version = (self.image_resolver(spec.image) if self.image_resolver
-                               else ([(f"image:{spec.image}", 1)], ""))
-            self.sched.register_image(spec.image, layers, version)
+        self._know_image(spec.image)
         spec = self._default_to_fit(spec)
         req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
         req.cold = cold
@@ -216,6 +213,14 @@ class SchedulerDriver:
                     return self.sched.ticket(request_id)
         self._wake.set()
         return t
+
+    def _know_image(self, image: str) -> None:
+        """Register an image's layer index with the scheduler on first sight (NotFound if the
+        resolver does not know it)."""
+        if image not in self.sched.images:
+            layers, version = (self.image_resolver(image) if self.image_resolver
+                               else ([(f"image:{image}", 1)], ""))
+            self.sched.register_image(image, layers, version)
 
     def _default_to_fit(self, spec: SandboxSpec) -> SandboxSpec:
         """Fill sizes the user left out with the defaults, clamped to the largest node (a
@@ -306,9 +311,7 @@ class SchedulerDriver:
 
     def set_pool(self, spec: SandboxSpec, size: int) -> dict[str, object]:
         """Keep ``size`` warm sandboxes of ``spec``'s shape ready (0 = demand-driven only)."""
-        if spec.image not in self.sched.images and self.image_resolver is not None:
-            layers, version = self.image_resolver(spec.image)
-            self.sched.register_image(spec.image, layers, version)
+        self._know_image(spec.image)
         req = spec_to_request(self._default_to_fit(spec), "__pool__", "pool-floor", self.s)
         self.sched.set_pool_floor(req, size)
         self._wake.set()
