@@ -73,7 +73,8 @@ def ls() -> None:
     """Episodes that have checkpoints in the configured store."""
     from dsec.checkpoints.unit import episode_ids
     for ep in episode_ids(_store()):
-        out.print(ep)
+        if not ep.startswith("sbckpt."):  # plain-sandbox checkpoints: `GET /v1/checkpoints`
+            out.print(ep)
 
 
 @app.command("gc")
