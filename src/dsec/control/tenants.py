@@ -128,9 +128,12 @@ class TenantQueues:
         best_key: tuple[float, float, float] | None = None
         best: tuple[TenantState, int] | None = None
         for t in self.tenants.values():
+            qs = t.queues
+            if not (qs[0] or qs[1] or qs[2]):
+                continue  # most tenants have nothing queued at any moment
             share = -1.0
             for cls in (0, 1, 2):
-                q = t.queues[cls]
+                q = qs[cls]
                 if not q:
                     continue
                 head = q[0]
