@@ -88,7 +88,7 @@ class UsageWindow:
         recent = self._recent_sum / len(self._recent) if self._recent else 0.0
         n = self._n
         long = (max(0.0, self._sum / n) if n else 0.0) * self.factor
-        return recent if recent >= long else long
+        return max(recent, long)
 
 
 def fits(node: Node, req: Request, ratio: float, threshold: float) -> bool:

@@ -75,9 +75,9 @@ def render_markdown(meta: dict, results: list[dict]) -> str:
              "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for key, label, fmt in ROWS:
         lines.append(f"| {label} | " + " | ".join(_fmt(fmt, r.get(key, 0)) for r in results) + " |")
-    lines += ["", "Queue wait = the client's first submit -> placement decision (a request refused "
-              "with 429 waits until its resubmission is placed); start latency = first submit -> sandbox "
-              "ready (pull + start, or warm hand-over).", ""]
+    lines += ["", ("Queue wait = the client's first submit -> placement decision (a request refused "
+                   "with 429 waits until its resubmission is placed); start latency = first submit -> "
+                   "sandbox ready (pull + start, or warm hand-over)."), ""]
     lines += [f"- `{n}`: {describe_policy(n)}" for n in names]
     lines += ["",
               "![comparison](comparison.png)", "", "![timeline](timeline.png)", ""]
