@@ -95,10 +95,20 @@ def set_frozen(parent: str, sandbox_id: str, frozen: bool, timeout: float = 5.0)
         time.sleep(0.001)
 
 
+def thaw(parent: str, sandbox_id: str) -> None:
+    """Best effort: let a sandbox left frozen (a server killed mid-capture) run again, so
+    its processes can be killed (a frozen task ignores SIGKILL until thawed)."""
+    try:
+        _write(CGROUP_ROOT / "freezer" / parent / sandbox_id / "freezer.state", "THAWED")
+    except OSError:
+        pass
+
+
 def kill_and_remove(parent: str, sandbox_id: str, timeout: float = 5.0) -> int:
     """SIGKILL everything left in the sandbox's cgroups, then remove them. Returns dirs removed."""
     deadline = time.monotonic() + timeout
     removed = 0
+    thaw(parent, sandbox_id)  # first: frozen tasks cannot die, whichever hierarchy is emptied first
     for d in sorted(sandbox_cgroup_dirs(parent, sandbox_id), key=lambda p: -len(p.parts)):
         while True:
             try:

@@ -437,6 +437,7 @@ def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, 
     One pass with no subprocess: SIGKILL of the init takes its whole pid namespace down;
     the runtime's state is plain files once its processes are gone (no ``runc delete``).
     """
+    cgroups.thaw(CGROUP_PARENT, p.sandbox_id)
     if pid and _is_sandbox_init(pid, p.sandbox_id, isolation):
         kill_pid(pid)
         wait_gone(pid, 5.0)

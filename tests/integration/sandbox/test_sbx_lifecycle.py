@@ -88,6 +88,16 @@ async def test_init_killed_from_outside_is_reaped(node, tier):
     assert leftovers(node, info.id, pids) == []
 
 
+async def test_destroy_of_a_frozen_sandbox_leaves_nothing(node, tier):
+    """A sandbox left frozen (a server killed mid-checkpoint capture) is still destroyed
+    cleanly: frozen tasks cannot die, so the freezer is thawed first."""
+    info = await make(node, tier)
+    pids = _host_pids(node, info)
+    await asyncio.to_thread(cgroups.set_frozen, "dsec", info.id, True)
+    await node.destroy(info.id)
+    assert leftovers(node, info.id, pids) == []
+
+
 async def test_restart_adopts_running_sandboxes(sbx_env, tmp_path, tier):
     """A node manager that stops (sandboxes keep running) and starts again adopts them:
     same pid, exec works, files intact."""
