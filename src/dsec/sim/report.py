@@ -18,6 +18,7 @@ ROWS = [
     ("start_latency_p50_s", "start latency p50 (s)", "{:.3f}"),
     ("start_latency_p99_s", "start latency p99 (s)", "{:.3f}"),
     ("decisions_per_s", "placement decisions/s (wall)", "{:,.0f}"),
+    ("decisions_per_cpu_s", "placement decisions/CPU-s", "{:,.0f}"),
     ("layer_hit_rate", "layer hit rate", "{:.1%}"),
     ("byte_hit_rate", "byte hit rate", "{:.1%}"),
     ("bytes_pulled", "bytes pulled (GiB)", "gib"),
