@@ -1,7 +1,8 @@
 """Scheduler on the real server: warm-pool hand-over latency and a burst of creates.
 
 1. Warm vs cold, interleaved round by round so machine noise hits both alike: the time
-   from an SDK ``create`` call to the result of the first ``exec("true")`` on
+   from an SDK ``create`` call to the result of the first ``exec("true")`` (each round
+   starts once the previous round's kill and pool refill are done) on
    (a) a server whose warm pool for the shape is primed (the common path), and
    (b) the same server build with pools disabled (``DSEC_WARM_POOL_MAX_PER_NODE=0``):
    every create is a cold start. Reported: medians, p90, the ratio, and the warm-hit count
@@ -65,6 +66,20 @@ async def _wait_warm(client: Any, want: int, timeout: float = 60) -> int:
         await asyncio.sleep(0.05)
 
 
+async def _wait_settled(client: Any, timeout: float = 30) -> None:
+    """Until the pool is back at its target with no member being built and the last kill
+    is done: the hand-over is then timed alone, not against the previous round's churn."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = await _sched_state(client)
+        pools = (await client._http.get("/v1/pools")).json()["pools"]
+        if all(p["ready"] >= p["target"] and p["creating"] == 0 for p in pools) and not any(
+                n["creating"] for n in st["nodes"]):
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)
+
+
 async def _warm_vs_cold(warm_url: str, cold_url: str, token: str, cold_token: str, rounds: int,
                         progress: Any) -> dict[str, Any]:
     from dsec.sdk import AsyncClient, AsyncSandbox
@@ -77,7 +92,7 @@ async def _warm_vs_cold(warm_url: str, cold_url: str, token: str, cold_token: st
         hits0 = (await _sched_state(wc))["stats"]["warm_hits"]
         warm, cold, warm_create, cold_create = [], [], [], []
         for i in range(rounds):
-            await _wait_warm(wc, 1, timeout=10)  # the pool refills between rounds, as between tool calls
+            await _wait_settled(wc)  # the pool refills between rounds, as between tool calls
             for client, total, create in ((wc, warm, warm_create), (cc, cold, cold_create)):
                 t, c = await _create_first_exec(client)
                 total.append(t)

@@ -169,7 +169,7 @@ class LocalNodeAgent:
             await self._ensure_network()
         info = await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
                                          extra_lower_dirs=extra_lower_dirs)
-        if not pooled:
+        if not pooled and "task" in spec.labels:
             self._mark_cpu_base(info.id)
         return info
 
@@ -192,7 +192,8 @@ class LocalNodeAgent:
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
         info = await self.manager.claim(sandbox_id, spec, tenant)
-        self._mark_cpu_base(sandbox_id)
+        if "task" in spec.labels:  # right-sizing samples only task-typed sandboxes
+            self._mark_cpu_base(sandbox_id)
         return info
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
