@@ -25,8 +25,9 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
+from dsec.control.convert import OWNER_LABEL, POOL_LABEL, cpu_request, lease_key, spec_to_request
 from dsec.control.scheduler import Scheduler
-from dsec.control.types import PRIORITIES, Placement, Request, Running, Ticket
+from dsec.control.types import Placement, Request, Running, Ticket
 from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
 from dsec.models import SandboxInfo, SandboxSpec
 from dsec.node.api import NodeAgent
@@ -40,38 +41,7 @@ PreemptCheckpoint = Callable[[str, str], Awaitable[str]]
 PreemptResume = Callable[[str, str, str], Awaitable[SandboxInfo]]
 ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
 UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
-POOL_LABEL = "dsec.pool"
-OWNER_LABEL = "dsec.owner"  # the lease owner, kept on the sandbox so a restart can adopt it
 _PERMANENT = (InvalidArgument, ImageError, Forbidden, NotFound)  # the same on every node: no retry
-
-
-def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings, *,
-                    owner: str | None = None, task_type: str | None = None) -> Request:
-    """Validated wire spec -> the scheduler's plain request (defaults from Settings).
-
-    The sandbox's ``cpu`` is its cgroup cap; the scheduler reserves ``cpu x
-    cpu_request_ratio`` of it (Kubernetes' request vs limit): agent sandboxes spend most of
-    their life waiting for the model, and the usage-based overcommit guard stops admitting
-    when measured load says the node is really busy."""
-    mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(spec.memory or s.default_memory)
-    disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
-    limit = spec.cpu or s.default_cpu
-    return Request(request_id, tenant, spec.image, cpu_request(limit, s), mem, disk,
-                   PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
-                   spec.network is not None, spec.timeout or s.default_timeout_s, dict(spec.labels),
-                   task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec,
-                   cpu_limit=limit)
-
-
-def lease_key(tenant: str, owner: str) -> str:
-    """Leases are per tenant: two tenants may both call their run "r1"."""
-    return f"{tenant}/{owner}"
-
-
-def cpu_request(limit: float, s: Settings) -> float:
-    """The CPU share reserved for a sandbox capped at ``limit`` CPUs (rounded to milli-CPUs
-    so equal shapes stay equal)."""
-    return max(0.001, round(limit * s.cpu_request_ratio, 3))
 
 
 class SchedulerDriver:

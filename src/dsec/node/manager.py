@@ -25,7 +25,7 @@ from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
 from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
 from dsec.node import cgroups, syscalls
 from dsec.node.files import SandboxFS
-from dsec.node.lifecycle import LIVE_STATES, check_transition, persisted
+from dsec.node.lifecycle import check_transition, persisted
 from dsec.node.paths import SandboxPaths, sandbox_paths
 from dsec.node.records import RecordStore, SandboxRecord
 from dsec.node.resolve import resolve_spec

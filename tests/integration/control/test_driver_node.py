@@ -5,6 +5,7 @@ reaped, and nothing is left behind."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -86,7 +87,7 @@ async def test_cpu_used_reads_the_sandbox_cgroup(driver) -> None:  # type: ignor
     from dsec.node.usage import cgroup_cpu_seconds
 
     d, node = driver
-    info = await d.create(small(labels={"task": "spin"}), "sb-cpu", "t1")
+    info = await d.create(small(labels={"task": "spin"}), f"sb-cpu-{os.getpid()}", "t1")
     before = cgroup_cpu_seconds(CGROUP_PARENT, info.id)
     r = await node.exec(info.id, ExecRequest(cmd="i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done", timeout=120))
     assert r.exit_code == 0

@@ -1,0 +1,42 @@
+"""Wire specs -> the scheduler's plain requests: defaults, CPU request vs cap, lease keys.
+
+Pure functions, applied once at the edge by the driver (the I/O side).
+"""
+
+from __future__ import annotations
+
+from dsec.config import Settings, parse_bytes
+from dsec.control.types import PRIORITIES, Request
+from dsec.models import SandboxSpec
+
+POOL_LABEL = "dsec.pool"
+OWNER_LABEL = "dsec.owner"  # the lease owner, kept on the sandbox so a restart can adopt it
+
+
+def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings, *,
+                    owner: str | None = None, task_type: str | None = None) -> Request:
+    """Validated wire spec -> the scheduler's plain request (defaults from Settings).
+
+    The sandbox's ``cpu`` is its cgroup cap; the scheduler reserves ``cpu x
+    cpu_request_ratio`` of it (Kubernetes' request vs limit): agent sandboxes spend most of
+    their life waiting for the model, and the usage-based overcommit guard stops admitting
+    when measured load says the node is really busy."""
+    mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(spec.memory or s.default_memory)
+    disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
+    limit = spec.cpu or s.default_cpu
+    return Request(request_id, tenant, spec.image, cpu_request(limit, s), mem, disk,
+                   PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
+                   spec.network is not None, spec.timeout or s.default_timeout_s, dict(spec.labels),
+                   task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec,
+                   cpu_limit=limit)
+
+
+def lease_key(tenant: str, owner: str) -> str:
+    """Leases are per tenant: two tenants may both call their run "r1"."""
+    return f"{tenant}/{owner}"
+
+
+def cpu_request(limit: float, s: Settings) -> float:
+    """The CPU share reserved for a sandbox capped at ``limit`` CPUs (rounded to milli-CPUs
+    so equal shapes stay equal)."""
+    return max(0.001, round(limit * s.cpu_request_ratio, 3))
