@@ -3,14 +3,16 @@ on a free loopback port with its own DSEC_HOME."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 
@@ -80,26 +82,23 @@ def reap_home(home: Path) -> None:
 
 
 def start_server(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 120) -> Server:
-    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
-    env.update({"DSEC_HOME": str(home), **(extra_env or {})})
-    (home / "server.json").unlink(missing_ok=True)
-    log = home / f"serve-{time.time_ns()}.log"
-    fh = open(log, "wb")
-    proc = subprocess.Popen([DSEC, "serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-                            env=env, stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"dsec serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            info = json.loads((home / "server.json").read_text())
-            if info.get("pid") == proc.pid:
-                break
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"dsec serve did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    token = (home / "token").read_text().strip()
-    return Server(home=home, proc=proc, url=info["url"], token=token, log=log)
+    from dsec.api.launch import start_serve
+
+    sp = start_serve(home, extra_env, log_name=f"serve-{time.time_ns()}.log", timeout=timeout)
+    return Server(home=sp.home, proc=sp.proc, url=sp.url, token=sp.token, log=sp.log)
+
+
+@contextlib.contextmanager
+def running_server(factory: Any, name: str, extra_env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A module's own server (busybox imported into a fresh home); on the way out every
+    sandbox is killed, the server stopped, and what it left behind (pool members) reaped."""
+    home = factory.mktemp(name)
+    ensure_images(home, ["busybox"])
+    srv = start_server(home, extra_env)
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+        srv.stop()
+        reap_home(home)

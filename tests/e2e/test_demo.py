@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from e2e_server import DSEC, reap_home
 
 pytestmark = pytest.mark.integration

@@ -9,11 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+from e2e_server import Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-
-from e2e_server import Server
 
 pytestmark = pytest.mark.integration
 

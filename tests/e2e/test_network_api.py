@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from e2e_server import Server, ensure_images, reap_home, start_server
+from e2e_server import Server, running_server
 
 from dsec.errors import InvalidArgument
 from dsec.sdk import Client, Sandbox
@@ -18,17 +18,9 @@ DISTINCT = 2  # denied destinations itemized per sandbox (small, to see the boun
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    home = tmp_path_factory.mktemp("dsec-home")
-    ensure_images(home, ["busybox"])
-    srv = start_server(home, {"DSEC_NET_DENIED_AUDIT_DISTINCT": str(DISTINCT),
-                              "DSEC_NET_DENIED_AUDIT_POLL_S": "0.5"})
-    try:
+    with running_server(tmp_path_factory, "dsec-home", {"DSEC_NET_DENIED_AUDIT_DISTINCT": str(DISTINCT),
+                                                        "DSEC_NET_DENIED_AUDIT_POLL_S": "0.5"}) as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill_all()
-        srv.stop()
-        reap_home(home)
 
 
 @pytest.mark.parametrize("isolation", ["container", pytest.param("gvisor", marks=pytest.mark.gvisor)])

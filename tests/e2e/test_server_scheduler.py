@@ -11,9 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_server import ensure_images, reap_home
-
-from dsec.api.launch import ServeProcess, start_serve
+from e2e_server import Server, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -21,21 +19,12 @@ SMALL = {"image": "busybox", "cpu": 0.5, "memory": "64M", "disk": "64M", "timeou
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    home = tmp_path_factory.mktemp("dsec-sched")
-    ensure_images(home, ["busybox"])
-    s = start_serve(home, {"DSEC_API_CREATE_WAIT_S": "3"})
-    try:
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory, "dsec-sched", {"DSEC_API_CREATE_WAIT_S": "3"}) as s:
         yield s
-    finally:
-        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
-            for sb in c.get("/v1/sandboxes").json():
-                c.delete(f"/v1/sandboxes/{sb['id']}")
-        s.stop()
-        reap_home(home)
 
 
-def _auth(s: ServeProcess) -> dict[str, str]:
+def _auth(s: Server) -> dict[str, str]:
     return {"authorization": f"Bearer {s.token}"}
 
 
@@ -43,7 +32,7 @@ def _state(c: httpx.Client) -> dict:
     return c.get("/v1/scheduler").json()
 
 
-def test_warm_pool_is_the_common_path(srv: ServeProcess) -> None:
+def test_warm_pool_is_the_common_path(srv: Server) -> None:
     """After demand for a shape was seen, the pool pre-creates members and the next creates
     of that shape are hand-overs (counted by the scheduler), whose TTL starts at hand-over
     and which run commands like any sandbox."""
@@ -64,7 +53,7 @@ def test_warm_pool_is_the_common_path(srv: ServeProcess) -> None:
         assert c.delete(f"/v1/sandboxes/{sb['id']}").status_code == 204
 
 
-def test_burst_absorbed_within_overcommit_bound(srv: ServeProcess) -> None:
+def test_burst_absorbed_within_overcommit_bound(srv: Server) -> None:
     """40 creates at once on a node that holds ~20 of them: every answer is 201 or 429
     (never 5xx), every 429 carries Retry-After, the allocation never passes the bound, and
     each 201 sandbox is real."""
@@ -105,7 +94,7 @@ def test_burst_absorbed_within_overcommit_bound(srv: ServeProcess) -> None:
             c.delete(f"/v1/sandboxes/{again.json()['id']}")
 
 
-def test_request_status_and_unplaceable_request(srv: ServeProcess) -> None:
+def test_request_status_and_unplaceable_request(srv: Server) -> None:
     """A finished request reports its sandbox; an unknown request id is 404 naming it; a
     request no node can ever hold is refused at submit (4xx naming the limit), not queued."""
     with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
@@ -119,7 +108,7 @@ def test_request_status_and_unplaceable_request(srv: ServeProcess) -> None:
         c.delete(f"/v1/sandboxes/{sb['id']}")
 
 
-def test_scheduler_state_is_admin_only(srv: ServeProcess, tmp_path: Path) -> None:
+def test_scheduler_state_is_admin_only(srv: Server, tmp_path: Path) -> None:
     """Node allocation is operator information: a plain tenant gets 403."""
     with httpx.Client(base_url=srv.url, headers=_auth(srv), timeout=60) as c:
         token = c.post("/v1/tenants", json={"name": "plain-sched"}).json()["token"]
@@ -127,7 +116,7 @@ def test_scheduler_state_is_admin_only(srv: ServeProcess, tmp_path: Path) -> Non
     assert r.status_code == 403
 
 
-def test_declared_pool_is_built_and_handed_out(srv: ServeProcess) -> None:
+def test_declared_pool_is_built_and_handed_out(srv: Server) -> None:
     """An operator declares a warm pool for a shape: it is built before any demand, shows
     in GET /v1/pools, the next create of the shape is a hand-over, and size 0 removes it;
     an unknown image is 404 naming it."""
@@ -151,22 +140,13 @@ def test_declared_pool_is_built_and_handed_out(srv: ServeProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def small_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def small_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server whose node offers 4G of memory: two 3G sandboxes cannot both run."""
-    home = tmp_path_factory.mktemp("dsec-preempt")
-    ensure_images(home, ["busybox"])
-    s = start_serve(home, {"DSEC_NODE_MEMORY": "4G", "DSEC_API_CREATE_WAIT_S": "20"})
-    try:
+    with running_server(tmp_path_factory, "dsec-preempt", {"DSEC_NODE_MEMORY": "4G", "DSEC_API_CREATE_WAIT_S": "20"}) as s:
         yield s
-    finally:
-        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
-            for sb in c.get("/v1/sandboxes").json():
-                c.delete(f"/v1/sandboxes/{sb['id']}")
-        s.stop()
-        reap_home(home)
 
 
-def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_node: ServeProcess) -> None:
+def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_node: Server) -> None:
     """A high-priority create on a full node preempts the low-priority sandbox: its files
     are checkpointed first, operations on it answer 503 + Retry-After (nothing runs), and
     when capacity returns it comes back under the same id with its files intact."""
@@ -190,23 +170,14 @@ def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_no
 
 
 @pytest.fixture(scope="module")
-def leasy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def leasy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server with a short lease window (0.5 s heartbeats, reaped after 2 misses)."""
-    home = tmp_path_factory.mktemp("dsec-lease")
-    ensure_images(home, ["busybox"])
-    s = start_serve(home, {"DSEC_HEARTBEAT_INTERVAL_S": "0.5", "DSEC_HEARTBEAT_MISSES": "2",
-                           "DSEC_REAPER_INTERVAL_S": "0.1"})
-    try:
+    with running_server(tmp_path_factory, "dsec-lease", {"DSEC_HEARTBEAT_INTERVAL_S": "0.5", "DSEC_HEARTBEAT_MISSES": "2",
+                                                         "DSEC_REAPER_INTERVAL_S": "0.1"}) as s:
         yield s
-    finally:
-        with httpx.Client(base_url=s.url, headers=_auth(s), timeout=60) as c:
-            for sb in c.get("/v1/sandboxes").json():
-                c.delete(f"/v1/sandboxes/{sb['id']}")
-        s.stop()
-        reap_home(home)
 
 
-def test_lease_keeps_sandboxes_alive_and_release_kills_them(leasy: ServeProcess) -> None:
+def test_lease_keeps_sandboxes_alive_and_release_kills_them(leasy: Server) -> None:
     """Inside a dsec.Lease the owner's sandbox outlives several reap windows; leaving the
     block releases the lease and kills the owner's sandboxes at once."""
     import time
@@ -222,7 +193,7 @@ def test_lease_keeps_sandboxes_alive_and_release_kills_them(leasy: ServeProcess)
         assert all(s.id != sb.id for s in dsec.Sandbox.list(client=client))
 
 
-def test_silent_owner_is_reaped_and_audited(leasy: ServeProcess) -> None:
+def test_silent_owner_is_reaped_and_audited(leasy: Server) -> None:
     """A trainer that stops renewing (crashed) loses its sandboxes after the window; the
     sandbox's audit log says why."""
     with httpx.Client(base_url=leasy.url, headers=_auth(leasy), timeout=60) as c:
@@ -241,21 +212,12 @@ def test_silent_owner_is_reaped_and_audited(leasy: ServeProcess) -> None:
         c.delete(f"/v1/sandboxes/{other['id']}")
 
 
-def test_cli_pool_and_sched(srv: ServeProcess) -> None:
+def test_cli_pool_and_sched(srv: Server) -> None:
     """`dsec pool set/ls` and `dsec sched` drive and show the same state as the API."""
     import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
-    env["DSEC_HOME"] = str(srv.home)
-    dsec = str(Path(sys.executable).parent / "dsec")
 
     def run(*args: str) -> str:
-        r = subprocess.run([dsec, *args], env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return r.stdout
+        return srv.cli(*args).stdout
 
     table = run("pool", "set", "busybox", "--size", "1", "--cpu", "0.25", "--memory", "40M")
     assert "busybox" in table and "40M" in table
@@ -267,7 +229,7 @@ def test_cli_pool_and_sched(srv: ServeProcess) -> None:
     run("pool", "set", "busybox", "--size", "0", "--cpu", "0.25", "--memory", "40M")
 
 
-def test_scheduler_metrics_are_exported(srv: ServeProcess) -> None:
+def test_scheduler_metrics_are_exported(srv: Server) -> None:
     """/metrics carries the scheduler's queue depth, counters and per-node allocation vs
     the overcommit bound (labels: node ids and fixed counter names only)."""
     text = httpx.get(f"{srv.url}/metrics", headers=_auth(srv), timeout=60).text

@@ -28,8 +28,6 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -319,29 +317,6 @@ def _lag_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"samples": int(n), **shares}
 
 
-def _start_server(home: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
-    env["DSEC_HOME"] = str(home)
-    env.update(LOAD_SERVER_ENV)
-    (home / "server.json").unlink(missing_ok=True)
-    log = open(home / "bench-serve.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "serve", "--port", "0", "--log-level",
-                             "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dsec serve exited {proc.returncode}; see {home / 'bench-serve.log'}")
-        try:
-            info = json.loads((home / "server.json").read_text())
-            if info.get("pid") == proc.pid:
-                return proc, info["url"], (home / "token").read_text().strip()
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("dsec serve did not start in 120 s")
-
-
 def run(home: Path | str | None = None, sandboxes: int = 200, execs: int = 50, samples: int = 300,
         warmup: int = 30, probe_interval_s: float = 0.02) -> dict[str, Any]:
     import uvloop
@@ -361,12 +336,13 @@ def run(home: Path | str | None = None, sandboxes: int = 200, execs: int = 50, s
         if samples > 0:
             result["overhead"] = uvloop.run(_overhead(home, samples, warmup))
         if sandboxes > 0:
-            proc, url, token = _start_server(home)
+            from dsec.api.launch import start_serve
+
+            srv = start_serve(home, log_name="bench-serve.log")
             try:
-                result |= uvloop.run(_load(url, token, sandboxes, execs, probe_interval_s))
+                result |= uvloop.run(_load(srv.url, srv.token, sandboxes, execs, probe_interval_s))
             finally:
-                proc.terminate()
-                proc.wait(60)
+                srv.stop()
         return result
     finally:
         if tmp is not None:

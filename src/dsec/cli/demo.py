@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -42,26 +40,6 @@ def _server_up() -> bool:
         return False
 
 
-def _start_server(settings: Settings) -> subprocess.Popen[bytes]:
-    from dsec.sdk._config import SERVER_FILE
-
-    log = settings.home / "demo-serve.log"
-    settings.home.mkdir(parents=True, exist_ok=True)
-    (settings.home / SERVER_FILE).unlink(missing_ok=True)
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "serve", "--port", "0",
-                                 "--log-level", "warning"], stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise DSecError(f"`dsec serve` exited with {proc.returncode}; see {log}")
-        if (settings.home / SERVER_FILE).exists() and _server_up():
-            return proc
-        time.sleep(0.1)
-    proc.terminate()
-    raise DSecError(f"`dsec serve` did not become healthy in 120 s; see {log}")
-
-
 def _ensure_image(settings: Settings, image: str) -> None:
     from dsec.images import ImageStore
     from dsec.images.stock import STOCK, ensure_stock
@@ -74,9 +52,9 @@ def _ensure_image(settings: Settings, image: str) -> None:
                      log=lambda m: status.update(f"image {name}: {m}"))
 
 
-async def _set_pool(image: str, size: int) -> dict[str, Any] | None:
-    """Declare (size > 0) or drop (0) a warm pool of the episodes' shape; None when the
-    server places without the scheduler or the token is not an admin's."""
+async def _admin(method: str, path: str, body: Any = None) -> Any:
+    """One admin call to the local server; None when it does not apply (the server places
+    without the scheduler: 404, or the token is not an admin's: 403)."""
     import httpx
 
     from dsec.sdk._config import resolve_config
@@ -84,24 +62,23 @@ async def _set_pool(image: str, size: int) -> dict[str, Any] | None:
     cfg = resolve_config()
     async with httpx.AsyncClient(base_url=cfg.url, headers={"authorization": f"Bearer {cfg.token}"},
                                  timeout=60) as http:
-        r = await http.put("/v1/pools", json={"spec": {"image": image, **EPISODE_SHAPE}, "size": size})
+        r = await http.request(method, path, json=body)
         if r.status_code in (403, 404):
             return None
         r.raise_for_status()
-        return r.json()["pools"][0]
+        return r.json()
+
+
+async def _set_pool(image: str, size: int) -> dict[str, Any] | None:
+    """Declare (size > 0) or drop (0) a warm pool of the episodes' shape."""
+    got = await _admin("PUT", "/v1/pools", {"spec": {"image": image, **EPISODE_SHAPE}, "size": size})
+    return got["pools"][0] if got else None
 
 
 async def _warm_hits() -> int | None:
     """The scheduler's warm hand-over counter (admin view), to report hits, not hopes."""
-    import httpx
-
-    from dsec.sdk._config import resolve_config
-
-    cfg = resolve_config()
-    async with httpx.AsyncClient(base_url=cfg.url, headers={"authorization": f"Bearer {cfg.token}"},
-                                 timeout=60) as http:
-        r = await http.get("/v1/scheduler")
-        return int(r.json()["stats"]["warm_hits"]) if r.status_code == 200 else None
+    got = await _admin("GET", "/v1/scheduler")
+    return int(got["stats"]["warm_hits"]) if got else None
 
 
 async def _warm_pool(image: str, n: int, live: bool, timeout_s: float = 180) -> dict[str, Any] | None:
@@ -112,13 +89,15 @@ async def _warm_pool(image: str, n: int, live: bool, timeout_s: float = 180) -> 
     pool = await _set_pool(image, n)
     if pool is None:
         return None
+    shape = {k: pool[k] for k in ("image", "isolation", "cpu", "memory", "disk", "network")}
     progress = Progress(TextColumn("[bold]warming pool"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, disable=not live, transient=True)
     with progress:
         task = progress.add_task("warm", total=n)
         while pool["ready"] < n and time.perf_counter() - t0 < timeout_s:
             await asyncio.sleep(0.1)
-            pool = await _set_pool(image, n) or pool
+            pools = (await _admin("GET", "/v1/pools") or {}).get("pools", [])
+            pool = next((p for p in pools if all(p[k] == v for k, v in shape.items())), pool)
             progress.update(task, completed=min(n, pool["ready"]))
     return {"size": n, "ready": pool["ready"], "seconds": round(time.perf_counter() - t0, 2),
             "hits_before": await _warm_hits()}
@@ -255,10 +234,12 @@ def register(app: typer.Typer) -> None:
         img = image or settings.demo_image
         if n < 1:
             raise typer.BadParameter("--episodes must be >= 1")
-        proc = None
+        srv = None
         if not _server_up():
+            from dsec.api.launch import start_serve
+
             err.print("[dim]no server running: starting `dsec serve` for the demo[/dim]")
-            proc = _start_server(settings)
+            srv = start_serve(settings.home, log_name="demo-serve.log")
         try:
             _ensure_image(settings, img)
             run_id = "demo-" + uuid.uuid4().hex[:8]
@@ -275,9 +256,8 @@ def register(app: typer.Typer) -> None:
                     pool["hits"] = after - before if after is not None and before is not None else None
                     asyncio.run(_set_pool(img, 0))
         finally:
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+            if srv is not None:
+                srv.stop()
         summary = summarize(results, wall, img, run_id)
         summary["warm_pool"] = pool
         d = _report_dir(report_dir, settings)
