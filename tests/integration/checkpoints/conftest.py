@@ -8,6 +8,19 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import Overlay
 
+from dsec.node import syscalls
+
+
+@pytest.fixture
+def work(tmp_path):
+    """A scratch dir whose leftover mounts (engines' sandboxes) are undone afterwards."""
+    yield tmp_path
+    for mp in syscalls.mounts_under(str(tmp_path)):
+        try:
+            syscalls.umount(mp)
+        except OSError:
+            pass
+
 
 @pytest.fixture
 def overlays():

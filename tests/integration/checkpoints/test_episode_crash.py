@@ -31,15 +31,6 @@ NO_INLINE = {"checkpoint_inline_max_bytes": 0}
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def work(tmp_path):
-    yield tmp_path
-    for mp in syscalls.mounts_under(str(tmp_path)):
-        try:
-            syscalls.umount(mp)
-        except OSError:
-            pass
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

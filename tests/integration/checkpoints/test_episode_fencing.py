@@ -15,15 +15,6 @@ from dsec.node import syscalls
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def work(tmp_path):
-    yield tmp_path
-    for mp in syscalls.mounts_under(str(tmp_path)):
-        try:
-            syscalls.umount(mp)
-        except OSError:
-            pass
-
 
 def _req(i: int) -> ExecRequest:
     return ExecRequest(cmd=command(i))

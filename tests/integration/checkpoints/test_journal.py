@@ -16,21 +16,11 @@ from ckpt_agent import command, make_engine, run_agent
 
 from dsec.checkpoints.trajectory import read_journal
 from dsec.models import ExecRequest
-from dsec.node import syscalls
 from dsec.testing.faults import FAULT_EXIT_CODE
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
 
-
-@pytest.fixture
-def work(tmp_path):
-    yield tmp_path
-    for mp in syscalls.mounts_under(str(tmp_path)):
-        try:
-            syscalls.umount(mp)
-        except OSError:
-            pass
 
 
 def _export(eng, ep="ep") -> list[dict]:

@@ -14,21 +14,11 @@ from ckpt_helpers import tree
 
 from dsec.checkpoints.unit import complete_units
 from dsec.models import ExecRequest, SandboxSpec
-from dsec.node import syscalls
 from dsec.testing.faults import FAULT_EXIT_CODE
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
 
-
-@pytest.fixture
-def work(tmp_path):
-    yield tmp_path
-    for mp in syscalls.mounts_under(str(tmp_path)):
-        try:
-            syscalls.umount(mp)
-        except OSError:
-            pass
 
 
 async def _steps(eng, start: int, n: int, wait_squash: bool = True) -> list:
