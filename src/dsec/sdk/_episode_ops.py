@@ -13,6 +13,30 @@ from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.sdk._core import Call
 
+
+class EpisodeHandle:
+    """State both episode handles share: the open answer and the next step index."""
+
+    def __init__(self, info: EpisodeInfo) -> None:
+        self.id = info.id
+        self.info = info
+        self._next = 0
+
+    @property
+    def resumed(self) -> bool:
+        return self.info.resumed
+
+    @property
+    def epoch(self) -> int:
+        """This handle's owner epoch (a newer ``open`` of the same id fences it)."""
+        return self.info.epoch
+
+    @property
+    def step(self) -> int:
+        """Index the next ``exec`` will have."""
+        return self._next
+
+
 _EP = "/v1/episodes"
 EPOCH_HEADER = "x-dsec-episode-epoch"  # same as dsec.api.episodes.EPOCH_HEADER
 

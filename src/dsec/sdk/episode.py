@@ -25,32 +25,16 @@ from dsec.sdk import _episode_ops as ops
 from dsec.sdk._client import Client
 
 
-class Episode:
+class Episode(ops.EpisodeHandle):
     def __init__(self, info: EpisodeInfo, client: Client) -> None:
-        self.id = info.id
-        self.info = info
+        super().__init__(info)
         self._c = client
-        self._next = 0
 
     @classmethod
     def open(cls, episode_id: str, image: str = "busybox", *, client: Client | None = None,
              **sandbox_args: Any) -> Episode:
         c = client or Client.default()
         return cls(c._run(ops.open_(episode_id, image, sandbox_args)), c)
-
-    @property
-    def resumed(self) -> bool:
-        return self.info.resumed
-
-    @property
-    def epoch(self) -> int:
-        """This handle's owner epoch (a newer ``open`` of the same id fences it)."""
-        return self.info.epoch
-
-    @property
-    def step(self) -> int:
-        """Index the next ``exec`` will have."""
-        return self._next
 
     def exec(self, cmd: str | list[str], *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: str | None = None) -> StepResult:
