@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from dsec.blobs import LocalBlobStore, ReplicatedBlobStore
@@ -54,6 +56,28 @@ async def _node(work: Path):
     node = LocalNodeAgent(settings, images=store)
     await node.manager.start()
     return node, settings
+
+
+@contextlib.asynccontextmanager
+async def engines_side_by_side(work: Path, variants: dict[str, dict]) -> AsyncIterator[tuple]:
+    """A real node, one episode engine per settings variant (each with an open episode of
+    its own name) and a plain sandbox as the no-logging baseline; all torn down after."""
+    node, settings = await _node(work)
+    engines = {}
+    for mode, update in variants.items():
+        store = ReplicatedBlobStore([LocalBlobStore(work / mode / "r1"), LocalBlobStore(work / mode / "r2")])
+        engines[mode] = EpisodeEngine(settings.model_copy(update=update), store, NodeEpisodeHost(node),
+                                      cache_dir=work / mode / "cache")
+        await engines[mode].open(mode, SPEC)
+    plain = await node.create(SPEC)
+    try:
+        yield node, engines, plain
+    finally:
+        for mode, eng in engines.items():
+            await eng.close(mode)
+        await node.destroy(plain.id)
+        node.manager.close()
+        shutil.rmtree(node.settings.runtime_dir, ignore_errors=True)
 
 
 async def bench_overhead(node, settings, work: Path, reps: int) -> dict:

@@ -66,23 +66,13 @@ def bench_caller(work: Path, reps: int) -> dict:
 
 
 async def bench_steps(work: Path, reps: int) -> dict:
-    from dsec.bench.recovery import SPEC, _node
-    from dsec.blobs import LocalBlobStore, ReplicatedBlobStore
-    from dsec.checkpoints.engine import EpisodeEngine
-    from dsec.checkpoints.nodehost import NodeEpisodeHost
+    from dsec.bench.recovery import engines_side_by_side
     from dsec.models import ExecRequest
 
-    node, settings = await _node(work)
-    engines = {}
-    for mode, on in (("journal_off", False), ("journal_on", True)):
-        s = settings.model_copy(update={"checkpoint_journal": on})
-        store = ReplicatedBlobStore([LocalBlobStore(work / mode / "r1"), LocalBlobStore(work / mode / "r2")])
-        engines[mode] = EpisodeEngine(s, store, NodeEpisodeHost(node), cache_dir=work / mode / "cache")
-        await engines[mode].open(mode, SPEC)
-    plain = await node.create(SPEC)
+    variants = {"journal_off": {"checkpoint_journal": False}, "journal_on": {"checkpoint_journal": True}}
     out: dict = {}
     step = 0
-    try:
+    async with engines_side_by_side(work, variants) as (node, engines, plain):
         for kind, cmd in (("no_change", "true"), ("change_100KB", "head -c 100000 /dev/urandom > /tmp/f_$RANDOM")):
             t: dict[str, list[float]] = {"plain_exec": [], "journal_off": [], "journal_on": []}
             for rep in range(reps):
@@ -99,12 +89,6 @@ async def bench_steps(work: Path, reps: int) -> dict:
             out[kind] = {"reps": reps, **{f"{k}_ms": v for k, v in med.items()},
                          "overhead_ms_journal_off": med["journal_off"] - med["plain_exec"],
                          "overhead_ms_journal_on": med["journal_on"] - med["plain_exec"]}
-    finally:
-        for mode, eng in engines.items():
-            await eng.close(mode)
-        await node.destroy(plain.id)
-        node.manager.close()
-        shutil.rmtree(node.settings.runtime_dir, ignore_errors=True)
     return out
 
 

@@ -28,45 +28,33 @@ def _pct(xs: list[float], q: float) -> float:
 async def run(steps: int, mb: int, full_every: int) -> dict:
     import time
 
-    from dsec.bench.recovery import SPEC, _node
-    from dsec.blobs import LocalBlobStore, ReplicatedBlobStore
-    from dsec.checkpoints.engine import EpisodeEngine
-    from dsec.checkpoints.nodehost import NodeEpisodeHost
+    from dsec.bench.recovery import engines_side_by_side
+    from dsec.checkpoints.unit import complete_units
     from dsec.models import ExecRequest
 
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-squash-"))
-    node, settings = await _node(work)
-    engines = {}
-    for mode, bg in (("inline_squash", False), ("background_squash", True)):
-        s = settings.model_copy(update={"checkpoint_squash_background": bg, "checkpoint_full_every": full_every})
-        store = ReplicatedBlobStore([LocalBlobStore(work / mode / "r1"), LocalBlobStore(work / mode / "r2")])
-        engines[mode] = EpisodeEngine(s, store, NodeEpisodeHost(node), cache_dir=work / mode / "cache")
-        await engines[mode].open(mode, SPEC)
-    plain = await node.create(SPEC)
+    variants = {"inline_squash": {"checkpoint_squash_background": False, "checkpoint_full_every": full_every},
+                "background_squash": {"checkpoint_squash_background": True, "checkpoint_full_every": full_every}}
     per_step = mb * 1_000_000 // steps
-    t: dict[str, list[float]] = {"plain_exec": [], **{m: [] for m in engines}}
-    ck: dict[str, list[float]] = {m: [] for m in engines}
+    t: dict[str, list[float]] = {"plain_exec": [], **{m: [] for m in variants}}
+    ck: dict[str, list[float]] = {m: [] for m in variants}
     try:
-        for i in range(steps):
-            cmd = f"mkdir -p /work && head -c {per_step} /dev/urandom > /work/f{i} && echo {i} >> /work/log"
-            t0 = time.perf_counter()
-            await node.exec(plain.id, ExecRequest(cmd=cmd))
-            t["plain_exec"].append(time.perf_counter() - t0)
-            order = list(engines.items())
-            for mode, eng in (order if i % 2 else order[::-1]):
+        async with engines_side_by_side(work, variants) as (node, engines, plain):
+            for i in range(steps):
+                cmd = f"mkdir -p /work && head -c {per_step} /dev/urandom > /work/f{i} && echo {i} >> /work/log"
                 t0 = time.perf_counter()
-                r = await eng.step(mode, i, ExecRequest(cmd=cmd))
-                t[mode].append(time.perf_counter() - t0)
-                ck[mode].append(r.checkpoint_s)
-        chains = {m: len((await asyncio.to_thread(__import__("dsec.checkpoints.unit", fromlist=["x"]).complete_units,
-                                                  e.store, m))[0].fs_chain) for m, e in engines.items()}
-        stats = {m: dict(e.counters) for m, e in engines.items()}
+                await node.exec(plain.id, ExecRequest(cmd=cmd))
+                t["plain_exec"].append(time.perf_counter() - t0)
+                order = list(engines.items())
+                for mode, eng in (order if i % 2 else order[::-1]):
+                    t0 = time.perf_counter()
+                    r = await eng.step(mode, i, ExecRequest(cmd=cmd))
+                    t[mode].append(time.perf_counter() - t0)
+                    ck[mode].append(r.checkpoint_s)
+            chains = {m: len((await asyncio.to_thread(complete_units, e.store, m))[0].fs_chain)
+                      for m, e in engines.items()}
+            stats = {m: dict(e.counters) for m, e in engines.items()}
     finally:
-        for mode, eng in engines.items():
-            await eng.close(mode)
-        await node.destroy(plain.id)
-        node.manager.close()
-        shutil.rmtree(node.settings.runtime_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     ms = lambda xs: {"p50_ms": _pct(xs, 0.5) * 1000, "p99_ms": _pct(xs, 0.99) * 1000, "max_ms": max(xs) * 1000,
                      "mean_ms": statistics.mean(xs) * 1000}
