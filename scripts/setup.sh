@@ -42,12 +42,12 @@ PY=${PYTHON:-python3}
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' 2>/dev/null || {
   echo "DSec needs Python >= 3.11 as python3 (or set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 stamp=.venv/.dsec-installed
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$( (cat pyproject.toml; echo 'extras: dev,ray') | sha256sum | cut -c1-16)  # re-install when the extras change
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "creating the virtualenv (.venv) and installing DSec with its dev tools"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,ray]'  # ray: the cluster (dsec cluster up, tests/contract/node)
   echo "$want" > "$stamp"
 fi
 
