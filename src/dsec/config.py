@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     disk_overprovision: float = Field(10.0, description="Writable layers are tmpfs, filled on write and charged to "
                                                         "the sandbox's memory: quotas are thin-provisioned by this")
     node_max_sandboxes: int = Field(2000, description="Hard cap of live sandboxes per node")
+    node_id: str | None = Field(None, description="This node's id in a cluster (default: the API bind host)")
+    cgroup_parent: str = Field("dsec", description="Parent cgroup of this node's sandboxes (one per node on a shared box)")
+    cluster: str | None = Field(None, description="Ray cluster to drive (ray://HEAD:PORT or HEAD:PORT); None: this machine only")
+    cluster_agent_timeout_s: float = Field(60.0, description="Longest wait for a node agent actor to start or answer a control call")
 
     # --- images (SPEC §2) ------------------------------------------------------------
     image_cache_max_images: int = Field(20, description="Most recent images whose layers are kept")

@@ -37,7 +37,10 @@ from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_ali
 
 log = logging.getLogger("dsec.node")
 
-CGROUP_PARENT = "dsec"
+# Settings.cgroup_parent (DSEC_CGROUP_PARENT), read once per process: module-level helpers
+# (teardown, PID-reuse guards) use it, and a node agent is one process (several nodes on
+# one box, as `dsec cluster up` makes, each run their agent in their own process).
+CGROUP_PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
 
 
 def new_sandbox_id() -> str:
@@ -154,7 +157,7 @@ class SandboxManager:
         info = SandboxInfo(id=sid, state=S.creating, image=spec.image, image_id=image.id,
                            isolation=r.isolation, cpu=r.cpu, memory=r.memory, disk=r.disk, pids=r.pids,
                            timeout=r.timeout, network=spec.network, labels=spec.labels, tenant=tenant,
-                           node=self.settings.host, created_at=now)
+                           node=self.settings.node_id or self.settings.host, created_at=now)
         rec = SandboxRecord(info=info, spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=CGROUP_PARENT)
         self.records.put(rec)  # recorded before any resource exists
         self.live[sid] = rec
