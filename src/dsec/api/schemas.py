@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.config import parse_bytes
+from dsec.models.checkpoint import CheckpointInfo  # noqa: F401 - re-exported (wire model lives in dsec.models)
 from dsec.state.store import TenantRecord
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -108,19 +109,6 @@ class ErrorLine(BaseModel):
 
     kind: Literal["error"] = "error"
     error: dict[str, Any]
-
-
-class CheckpointInfo(BaseModel):
-    """What ``sb.checkpoint()`` returns; ``Sandbox.restore(info.id)`` brings it back."""
-
-    id: str = Field(..., description="Checkpoint id (ck-...), scoped to the tenant")
-    sandbox_id: str = Field(..., description="The sandbox it was taken of")
-    image: str
-    image_id: str | None = None
-    created_at: float
-    fs_digest: str = Field(..., description="Digest of the canonical filesystem manifest (same files = same digest)")
-    size: int = Field(..., description="Bytes of filesystem layers a restore reads")
-    parent: str | None = Field(None, description="Checkpoint the sandbox was itself restored from")
 
 
 class RestoreRequest(BaseModel):

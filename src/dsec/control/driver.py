@@ -18,14 +18,13 @@ Wiring into the API service (its ``Creator`` seam)::
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
-from dsec.control.convert import OWNER_LABEL, POOL_LABEL, cpu_request, lease_key, spec_to_request
+from dsec.control.convert import OWNER_LABEL, POOL_LABEL, cpu_request, lease_key, pool_can_serve, spec_to_request
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
 from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
@@ -170,7 +169,7 @@ class SchedulerDriver:
         self._know_image(spec.image)
         spec = self._default_to_fit(spec)
         req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
-        req.cold = cold
+        req.cold = cold or not pool_can_serve(spec, self.s)
         t = self.sched.submit(req, self.clock())
         if t.state in ("queued", "placed") and request_id not in self._waiters:
             self._waiters[request_id] = asyncio.get_running_loop().create_future()
@@ -313,11 +312,11 @@ class SchedulerDriver:
 
     async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
         """A task-typed sandbox's mean CPU use, read just before it goes (right-sizing)."""
-        probe = getattr(self.agents.get(node_id), "cpu_used", None)
-        if r is None or r.task_type is None or probe is None:
+        agent = self.agents.get(node_id)
+        if r is None or r.task_type is None or agent is None:
             return None
         try:
-            return await probe(r.sandbox_id)
+            return await agent.cpu_used(r.sandbox_id)
         except Exception:  # noqa: BLE001 - a missing sample only delays right-sizing
             return None
 
@@ -470,13 +469,10 @@ class SchedulerDriver:
         log.info("preempted %s on %s (checkpoint %s); queued for resumption", sandbox_id, node_id, checkpoint_id)
 
     async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
-        """Hand a pool member to the user. Agents with ``claim`` (LocalNodeAgent) apply the
-        request's labels/env/tenant and start its TTL; others only get the TTL set."""
-        claim = getattr(agent, "claim", None)
+        """Hand a pool member to the user: the node applies the request's labels/env/tenant
+        and starts its TTL."""
         spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
-        if claim is not None:
-            return await claim(sandbox_id, spec, req.tenant)
-        return await agent.set_timeout(sandbox_id, req.ttl)
+        return await agent.claim(sandbox_id, spec, req.tenant)
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
@@ -498,9 +494,9 @@ class SchedulerDriver:
             elif req.request_id in self._via:
                 info = await self._via[req.request_id](spec, self._sids.get(req.request_id) or "", req.tenant)
                 self._via.pop(req.request_id, None)
-            elif p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
+            elif p.kind == "pool":
                 # A pooled create stays "ready" with no TTL running until it is claimed.
-                info = await agent.create(spec, pooled=True)  # type: ignore[call-arg]
+                info = await agent.create(spec, pooled=True)
             else:
                 info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
                                           tenant=None if p.kind == "pool" else req.tenant)

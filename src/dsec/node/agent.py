@@ -18,7 +18,17 @@ from typing import Any
 from dsec.config import Settings
 from dsec.errors import InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
-from dsec.node.api import ExecEvent, NodeCapacity
+from dsec.node.api import (
+    CheckpointInfo,
+    DeniedAttempt,
+    ExecEvent,
+    ImageLayers,
+    LayerIndex,
+    NodeCapacity,
+    NodeHealth,
+    NodeUsage,
+    RestoreSource,
+)
 from dsec.node.files import SandboxFS
 from dsec.node.manager import SandboxManager
 from dsec.runtime import agent_client as ac
@@ -100,7 +110,10 @@ class LocalNodeAgent:
     def __init__(self, settings: Settings, images: Any | None = None, network: Any | None = None) -> None:
         self.settings = settings
         self.manager = SandboxManager(settings, images=images, network=None)
-        self.node_id = settings.host
+        self.node_id = settings.node_id or settings.host
+        self._started_at = 0.0
+        self._usage: Any = None  # node_id -> busy fraction (dsec.node.usage), made on first use
+        self._checkpoints: Any = None  # dsec.checkpoints.sandbox_ckpt.SandboxCheckpoints, made on first use
         self._reaper: asyncio.Task[None] | None = None
         if network is None and settings.net_enabled:
             from dsec.net import NetworkManager
@@ -138,6 +151,7 @@ class LocalNodeAgent:
         if self.manager.network is not None:
             await self.manager.network.reconcile(set(self.manager.live))
         self._reaper = asyncio.create_task(self._reap_loop(), name="dsec-reaper")
+        self._started_at = time.time()
 
     async def close(self) -> None:
         if self._reaper:
@@ -164,7 +178,16 @@ class LocalNodeAgent:
     # --- lifecycle ----------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
-                     pooled: bool = False, extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+                     pooled: bool = False, restore: RestoreSource | None = None,
+                     extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+        """``extra_lower_dirs`` is node-local (checkpoint engine on this node); remote callers
+        pass ``restore`` and the node unpacks the checkpoint's layers itself."""
+        if restore is not None:
+            if pooled or extra_lower_dirs:
+                raise InvalidArgument("a restore is never a pool member and brings its own layers", field="restore")
+            _, make = await self.checkpoints.prepare_restore(restore.tenant, restore.checkpoint_id)
+            from dsec.node.manager import new_sandbox_id
+            return await make(spec, sandbox_id or new_sandbox_id(), tenant or "")
         if spec.network is not None:
             await self._ensure_network()
         info = await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
@@ -187,8 +210,63 @@ class LocalNodeAgent:
         return self.manager.info(rec)
 
     def denied_network_attempts(self, sandbox_id: str, since_seq: int = 0) -> list[Any]:
+        """Same-process (sync) read for the audit log's teardown hook."""
         net = self.manager.network
         return net.denied_events(sandbox_id, since_seq) if net is not None else []
+
+    async def network_denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
+        self.manager.get_record(sandbox_id)  # NotFound for an unknown id
+        return list(self.denied_network_attempts(sandbox_id, since_seq))
+
+    # --- node views (usage, health, images) ---------------------------------------------
+
+    async def usage(self) -> NodeUsage:
+        if self._usage is None:
+            from dsec.node.manager import CGROUP_PARENT
+            from dsec.node.usage import local_usage_probe
+            self._usage = local_usage_probe(CGROUP_PARENT, self.manager.cpu)
+        busy = float(self._usage(self.node_id))
+        return NodeUsage(node_id=self.node_id, cpu_busy=busy, sandboxes=len(self.manager.live),
+                         active_execs=sum(self.manager.active_execs.values()))
+
+    async def health(self) -> NodeHealth:
+        import os
+        import socket
+
+        problems = []
+        if not self.manager.isolations:
+            problems.append(f"no OCI runtime found ({self.settings.runc_path!r}, {self.settings.runsc_path!r}): "
+                            "install runc (scripts/setup.sh) on this node")
+        if not self._started_at:
+            problems.append("node agent not started")
+        return NodeHealth(node_id=self.node_id, ok=not problems, pid=os.getpid(), hostname=socket.gethostname(),
+                          started_at=self._started_at, sandboxes=len(self.manager.live),
+                          isolation=list(self.manager.isolations), problems=problems)
+
+    async def layer_index(self) -> LayerIndex:
+        imgs = await asyncio.to_thread(self.manager.images.list)
+        return LayerIndex(node_id=self.node_id, images=[_layers_of(i) for i in imgs])
+
+    async def resolve_image(self, ref: str) -> ImageLayers:
+        return _layers_of(await asyncio.to_thread(self.manager.images.resolve, ref))
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Any:
+        """This node's sandbox checkpoints (capture here, units in the shared blob store)."""
+        if self._checkpoints is None:
+            from dsec.blobs import open_checkpoint_store
+            from dsec.checkpoints.sandbox_ckpt import SandboxCheckpoints
+            self._checkpoints = SandboxCheckpoints(self.settings, open_checkpoint_store(self.settings), self)
+        return self._checkpoints
+
+    def use_checkpoints(self, checkpoints: Any) -> None:
+        """Share one SandboxCheckpoints (its per-sandbox incremental trackers) with the API."""
+        self._checkpoints = checkpoints
+
+    async def checkpoint(self, sandbox_id: str, tenant: str) -> CheckpointInfo:
+        return await self.checkpoints.checkpoint(tenant, sandbox_id)  # type: ignore[no-any-return]
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
         info = await self.manager.claim(sandbox_id, spec, tenant)
@@ -360,3 +438,7 @@ class LocalNodeAgent:
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
         return await asyncio.to_thread(self._fs(sandbox_id).download_tar, path, self.settings.max_upload_bytes)
+
+
+def _layers_of(info: Any) -> ImageLayers:
+    return ImageLayers(image_id=info.id, names=list(info.names), layers=[(li.digest, li.size) for li in info.layers])

@@ -1,8 +1,19 @@
-"""The NodeAgent protocol: what the control plane / API server may ask of one machine.
+"""The NodeAgent protocol: everything the control plane / API server may ask of one machine.
 
-Implementations: ``dsec.node.agent.LocalNodeAgent`` (in-process, the embedded default);
-later a Ray actor or HTTP proxy with the same methods. All methods are async; blocking
-filesystem work is pushed to threads inside the implementation.
+Implementations: ``dsec.node.agent.LocalNodeAgent`` (in-process, the embedded default),
+``dsec.cluster.ray.RayNodeProxy`` (the same agent inside a Ray actor on another node) and
+``dsec.testing.FakeNodeAgent`` (in-memory, for tests of the layers above). All three run
+one contract suite (``tests/contract/node/``).
+
+The rule: a caller uses ONLY these methods and these models. Every argument and result
+is a pydantic model or a plain value, so each call can cross a process or machine
+boundary (Ray pickles them; an HTTP transport would JSON them). Nothing here hands out
+paths, record objects or managers: what the API once read from a node's disk (upper
+dirs for checkpoints, /proc for usage, the image store for layer indexes) is a method
+that runs ON the node and returns a model.
+
+All methods are async except ``capacity()`` (static for the node's life; a remote proxy
+fetches it once in ``start()``). ``exec_stream`` is an async iterator of ``ExecEvent``.
 """
 
 from __future__ import annotations
@@ -10,9 +21,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+from dsec.models.checkpoint import CheckpointInfo
+from dsec.net.models import DeniedAttempt
+
+__all__ = ["CheckpointInfo", "DeniedAttempt", "ExecEvent", "ImageLayers", "LayerIndex", "NodeAgent",
+           "NodeCapacity", "NodeHealth", "NodeUsage", "RestoreSource"]
 
 
 class ExecEvent(BaseModel):
@@ -34,10 +50,55 @@ class NodeCapacity(BaseModel):
     labels: dict[str, str] = {}
 
 
+class NodeUsage(BaseModel):
+    """What the node's sandboxes use now (input of the scheduler's overcommit guard)."""
+
+    node_id: str
+    cpu_busy: float = Field(..., ge=0, le=1, description="Fraction of the node's CPUs the sandboxes kept busy "
+                            "since the previous usage() call (node-wide use where cgroup accounting is missing)")
+    sandboxes: int = Field(..., description="Live sandboxes (pool members included)")
+    active_execs: int = Field(0, description="Commands running right now")
+
+
+class NodeHealth(BaseModel):
+    node_id: str
+    ok: bool = Field(..., description="False: the node cannot create sandboxes (reason in `problems`)")
+    pid: int = Field(..., description="PID of the agent process on its machine")
+    hostname: str = ""
+    started_at: float = 0.0
+    sandboxes: int = 0
+    isolation: list[str] = Field(default_factory=list, description="Runtimes found on this node")
+    problems: list[str] = Field(default_factory=list)
+
+
+class ImageLayers(BaseModel):
+    """One image as a node holds it: the scheduler's image-aware placement input."""
+
+    image_id: str
+    names: list[str] = Field(default_factory=list)
+    layers: list[tuple[str, int]] = Field(default_factory=list, description="(digest, compressed size) base first")
+
+
+class LayerIndex(BaseModel):
+    node_id: str
+    images: list[ImageLayers] = Field(default_factory=list)
+
+    def digests(self) -> set[str]:
+        return {d for i in self.images for d, _ in i.layers}
+
+
+class RestoreSource(BaseModel):
+    """Create a sandbox from a checkpoint in the shared blob store (on whichever node)."""
+
+    tenant: str = Field(..., description="Tenant that owns the checkpoint (lookups are scoped to it)")
+    checkpoint_id: str
+
+
 @runtime_checkable
 class NodeAgent(Protocol):
     node_id: str
 
+    # --- the node itself ------------------------------------------------------------------
     async def start(self) -> None:
         """Reconcile recorded state against the kernel (adopt or clean) and start loops."""
 
@@ -46,8 +107,24 @@ class NodeAgent(Protocol):
 
     def capacity(self) -> NodeCapacity: ...
 
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None,
-                     tenant: str | None = None) -> SandboxInfo: ...
+    async def usage(self) -> NodeUsage: ...
+
+    async def health(self) -> NodeHealth: ...
+
+    async def layer_index(self) -> LayerIndex:
+        """Every image this node holds, with its layers."""
+
+    async def resolve_image(self, ref: str) -> ImageLayers:
+        """One image's layers; NotFound naming ``ref`` if the node does not hold it."""
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
+                     pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
+        """``pooled``: a warm-pool member, state ``ready``, no TTL until ``claim``.
+        ``restore``: root = image + the checkpoint's layers (verified) + a fresh upper."""
+
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+        """Hand a ``ready`` pool member to a user with the request's env/labels/timeout."""
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
@@ -57,6 +134,10 @@ class NodeAgent(Protocol):
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo: ...
 
+    async def cpu_used(self, sandbox_id: str) -> float | None:
+        """Mean CPUs the sandbox kept busy since hand-over (right-sizing); None if unknown."""
+
+    # --- exec -------------------------------------------------------------------------------
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult: ...
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
@@ -65,6 +146,7 @@ class NodeAgent(Protocol):
 
     async def kill_process(self, sandbox_id: str, pid: int, signal: int = 9) -> None: ...
 
+    # --- files ------------------------------------------------------------------------------
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
@@ -76,3 +158,20 @@ class NodeAgent(Protocol):
     async def upload_tar(self, sandbox_id: str, path: str, tar_bytes: bytes) -> None: ...
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
+
+    # --- network ----------------------------------------------------------------------------
+    async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo: ...
+
+    async def network_denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
+        """Refused connection attempts with ``seq > since_seq`` (read them before destroy)."""
+
+    # --- checkpoints (capture runs where the sandbox is; the unit goes to the shared store) --
+    async def checkpoint(self, sandbox_id: str, tenant: str) -> CheckpointInfo: ...
+
+
+NODE_METHODS: tuple[str, ...] = (
+    "usage", "health", "layer_index", "resolve_image", "create", "claim", "get", "list", "destroy",
+    "set_timeout", "cpu_used", "exec", "processes", "kill_process", "read_file", "write_file", "list_files",
+    "remove_file", "upload_tar", "download_tar", "update_network", "network_denied_events", "checkpoint")
+"""The async request/response methods of ``NodeAgent`` (``exec_stream``, ``capacity``,
+``start``/``close`` aside): what a remote transport forwards, and nothing else."""

@@ -1,4 +1,4 @@
-"""Test environment: the real FastAPI app over SQLite state and the in-memory FakeNode."""
+"""Test environment: the real FastAPI app over SQLite state and the shared in-memory FakeNodeAgent."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from dsec_fake_node import FakeNode
 
 from dsec.api.app import create_app
 from dsec.api.services import Services
 from dsec.config import Settings
 from dsec.state.sqlite import SqliteStateStore
+from dsec.testing import FakeNodeAgent
 
 
 @dataclass
 class Env:
     services: Services
-    node: FakeNode
+    node: FakeNodeAgent
     admin: httpx.AsyncClient
     alice: httpx.AsyncClient
     bob: httpx.AsyncClient
@@ -31,7 +31,7 @@ def make_settings(tmp_path: Path, **over: object) -> Settings:
 
 async def make_env(tmp_path: Path, **over: object) -> Env:
     settings = make_settings(tmp_path, **over)
-    node = FakeNode(settings)
+    node = FakeNodeAgent(settings)
     services = Services.build(settings, node, SqliteStateStore(tmp_path / "state.db"))
     await services.start()
     app = create_app(services, manage_lifecycle=False)

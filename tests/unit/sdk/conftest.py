@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -11,20 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
-
-from dsec_fake_node import FakeNode
-
 from dsec.api.app import create_app
 from dsec.api.services import Services
 from dsec.config import Settings
 from dsec.sdk import AsyncClient
 from dsec.state.sqlite import SqliteStateStore
+from dsec.testing import FakeNodeAgent
 
 
 def _services(home: Path) -> tuple[Services, str]:
     settings = Settings(home=home, api_audit_flush_s=0.05, client_backoff_s=0.01)
-    services = Services.build(settings, FakeNode(settings), SqliteStateStore(home / "state.db"))
+    services = Services.build(settings, FakeNodeAgent(settings), SqliteStateStore(home / "state.db"))
     _, token = services.auth.create_tenant("t1", max_sandboxes=50)
     return services, token
 
