@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     default_disk: str = Field("10G", description="Writable-layer quota per sandbox")
     default_timeout_s: float = Field(1800.0, description="Wall timeout/TTL per sandbox")
     default_pids: int = Field(1024, description="Max processes per sandbox")
+    sandbox_max_pids: int | None = Field(None, ge=8, description="Largest `pids` one sandbox may ask for; above "
+                                         "is 422 (default: host pid_max / 4; never above host pid_max)")
     default_nofile: int = Field(4096, description="RLIMIT_NOFILE in sandboxes (<= host hard limit)")
     default_isolation: str = Field("container", description="container (runc) or gvisor (runsc)")
     runc_path: str = Field("runc", description="runc binary")

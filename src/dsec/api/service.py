@@ -20,6 +20,7 @@ from typing import Any
 from dsec.api.audit import AuditLog
 from dsec.api.metrics import Metrics
 from dsec.config import Settings, parse_bytes
+from dsec.control.admission import Limits, Reservations, pids_limit
 from dsec.errors import (
     DSecError,
     Forbidden,
@@ -31,6 +32,7 @@ from dsec.errors import (
 )
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import SandboxState
+from dsec.net.allowlist import parse_allow_list, system_resolver
 from dsec.node.api import ExecEvent, NodeAgent
 from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
 
@@ -43,6 +45,23 @@ ImageCheck = Callable[[str], Awaitable[None]]
 """image ref -> None or raises NotFound naming it (checked before queueing a create)."""
 
 _DEAD = {SandboxState.destroyed, SandboxState.failed, SandboxState.stopped}
+_ADMIT_LISTINGS = 8  # node listings one admission may take while creations keep settling
+
+
+def host_pid_max(path: str = "/proc/sys/kernel/pid_max") -> int:
+    """The host's pid_max (I/O edge); Linux's default 32768 when it cannot be read."""
+    try:
+        with open(path) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return 32768
+
+
+def _unknown_image(image: str) -> NotFound:
+    # Never list the node's images: a tenant restricted to some images must not learn the
+    # names of the others (issue 18 #13).
+    return NotFound(f"image {image!r} is unknown on this node or not available to you; check the name "
+                    "(an operator imports images with `dsec image import`)", image=image)
 
 
 def new_sandbox_id() -> str:
@@ -69,6 +88,9 @@ class SandboxService:
         self._owners: dict[str, str] = {}
         self._inflight = 0
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
+        # Admitted creates not settled yet: quota usage = node listing + these (reserve, then create).
+        self._reserved = Reservations()
+        self.max_pids = pids_limit(settings.sandbox_max_pids, host_pid_max())
         self._tenant_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._idem_locks: dict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
         # Set by the scheduler: preempted sandboxes awaiting resumption (ops answer 503).
@@ -107,6 +129,14 @@ class SandboxService:
         if spec.isolation is not None and spec.isolation not in cap.isolation:
             raise InvalidArgument(f"isolation={spec.isolation!r} is not available on this node "
                                   f"(available: {', '.join(cap.isolation)})", field="isolation")
+        if spec.pids is not None and spec.pids > self.max_pids:
+            raise InvalidArgument(f"pids={spec.pids} exceeds this node's per-sandbox limit of {self.max_pids} "
+                                  "processes (setting sandbox_max_pids, never above the host's pid_max); "
+                                  "ask for fewer", field="pids", limit=self.max_pids)
+        if tenant.max_sandboxes == 0:
+            raise InvalidArgument(f"tenant {tenant.name!r} has quota max_sandboxes=0: it can never create a "
+                                  "sandbox; ask an admin to raise it", field="max_sandboxes", quota="max_sandboxes",
+                                  limit=0)
         cpu, mem = self._effective(spec)
         if tenant.max_cpu is not None and cpu > tenant.max_cpu:
             raise InvalidArgument(f"cpu={cpu:g} exceeds tenant {tenant.name!r} limit max_cpu={tenant.max_cpu:g}",
@@ -120,23 +150,36 @@ class SandboxService:
         mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(self.settings.default_memory)
         return cpu, mem
 
-    async def _check_quota(self, tenant: TenantRecord, spec: SandboxSpec) -> None:
-        """Quotas that may fit later are 429 (retry after others finish)."""
-        if tenant.max_sandboxes is None and tenant.max_cpu is None and tenant.max_memory is None:
-            return
-        live = [i for i in await self.node.list(tenant=tenant.name) if i.state not in _DEAD]
+    async def _check_network(self, spec: SandboxSpec) -> None:
+        """The allow-list is validated (and its names resolved) at submit, before the
+        request can reach a warm pool: a bad entry found at hand-over would cost the pool
+        the member being claimed (issue 18 #13)."""
+        if spec.network:
+            await asyncio.to_thread(parse_allow_list, spec.network, system_resolver)
+
+    async def _live(self, tenant: TenantRecord) -> list[tuple[str, float, int]]:
+        """(id, cpu, memory) of the tenant's live sandboxes, listed while no reservation
+        settled: a creation that finished (and released) mid-listing might be in neither."""
+        for _ in range(_ADMIT_LISTINGS):
+            gen = self._reserved.generation
+            live = [(i.id, i.cpu, i.memory) for i in await self.node.list(tenant=tenant.name)
+                    if i.state not in _DEAD]
+            if self._reserved.generation == gen:
+                return live
+        raise Overloaded(f"tenant {tenant.name!r}: creations kept settling while admitting this one; "
+                         "retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
+
+    async def _admit(self, tenant: TenantRecord, spec: SandboxSpec, key: str) -> None:
+        """Reserve the create against the tenant's quotas, or raise 429 naming the quota
+        that ran out. Call under the tenant's lock; the reservation is held until the
+        creation settles (``Reservations.release``)."""
+        limits = Limits(tenant.max_sandboxes, tenant.max_cpu, tenant.max_memory)
         cpu, mem = self._effective(spec)
-        ra = self.settings.api_retry_after_s
-        if tenant.max_sandboxes is not None and len(live) + 1 > tenant.max_sandboxes:
-            raise QuotaExceeded(f"tenant {tenant.name!r} is at its limit max_sandboxes={tenant.max_sandboxes}; "
-                                "kill some sandboxes or ask an admin to raise it",
-                                limit="max_sandboxes", retry_after=ra)
-        if tenant.max_cpu is not None and sum(i.cpu for i in live) + cpu > tenant.max_cpu:
-            raise QuotaExceeded(f"tenant {tenant.name!r} would exceed max_cpu={tenant.max_cpu:g}",
-                                limit="max_cpu", retry_after=ra)
-        if tenant.max_memory is not None and sum(i.memory for i in live) + mem > tenant.max_memory:
-            raise QuotaExceeded(f"tenant {tenant.name!r} would exceed max_memory={tenant.max_memory}",
-                                limit="max_memory", retry_after=ra)
+        live = [] if limits.unlimited else await self._live(tenant)
+        why = self._reserved.try_reserve(key, tenant.name, limits, live, cpu, mem)
+        if why is not None:
+            raise QuotaExceeded(why.message(tenant.name), quota=why.quota, limit=why.limit, in_use=why.in_use,
+                                requested=why.requested, retry_after=self.settings.api_retry_after_s)
 
     async def _owned(self, tenant: TenantRecord, sandbox_id: str) -> None:
         owner = self._owners.get(sandbox_id)
@@ -159,10 +202,15 @@ class SandboxService:
     # --- create ------------------------------------------------------------------
     async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
         """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
+        # The whole request is validated here, before it is queued or touches a pool.
         self._check_image(tenant, spec.image)
         self._check_limits(tenant, spec)
+        await self._check_network(spec)
         if self._image_check is not None:
-            await self._image_check(spec.image)
+            try:
+                await self._image_check(spec.image)
+            except NotFound:
+                raise _unknown_image(spec.image) from None
         if self._inflight >= self.settings.api_max_inflight_creates:
             self.metrics.creates.labels(result=Overloaded.code).inc()
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
@@ -211,22 +259,34 @@ class SandboxService:
         self._inflight += 1
         self.metrics.inflight_creates.set(self._inflight)
         t0 = time.perf_counter()
+        reserved = False
         try:
             async with self._tenant_locks[tenant.name]:
-                # Quota check and registration are atomic per tenant; the create itself is not
-                # serialised (the record below counts it while in flight).
-                await self._check_quota(tenant, spec)
+                # Admission and registration are atomic per tenant; the create itself is not
+                # serialised (its reservation counts it while in flight).
+                await self._admit(tenant, spec, sandbox_id)
+                reserved = True
                 self.state.record_sandbox(sandbox_id, tenant.name, time.time())
                 self._owners[sandbox_id] = tenant.name
                 self._creating.add(sandbox_id)
             if creator is not None and self._route is not None:
                 creator = self._route(creator)
-            info = await (creator or self._creator)(spec, sandbox_id, tenant.name)
+            # The reservation lasts as long as the creation, not the HTTP call: a caller
+            # cancelled mid-create must not free quota for a sandbox still being built.
+            task = asyncio.ensure_future((creator or self._creator)(spec, sandbox_id, tenant.name))
+            task.add_done_callback(lambda t: (self._reserved.release(sandbox_id),
+                                              t.cancelled() or t.exception()))
+            reserved = False  # released by the task's callback from here on
+            info = await asyncio.shield(task)
         except Exception as e:
             self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()
             await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
+            if isinstance(e, NotFound) and "available" in e.details:  # the node's image list: never shown
+                raise _unknown_image(spec.image) from None
             raise
         finally:
+            if reserved:
+                self._reserved.release(sandbox_id)
             self._creating.discard(sandbox_id)
             self._inflight -= 1
             self.metrics.inflight_creates.set(self._inflight)

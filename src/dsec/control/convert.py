@@ -31,6 +31,14 @@ def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings
                    cpu_limit=limit)
 
 
+def pool_can_serve(spec: SandboxSpec, s: Settings) -> bool:
+    """May a warm-pool member be handed over for ``spec``? Members are built with the
+    default ``pids`` (not part of a pool shape), and a claim cannot change a runc
+    container's limits: a request for other pids is created fresh, so the limit asked for
+    is the one in its cgroup (issue 18 #6)."""
+    return spec.pids is None or spec.pids == s.default_pids
+
+
 def lease_key(tenant: str, owner: str) -> str:
     """Leases are per tenant: two tenants may both call their run "r1"."""
     return f"{tenant}/{owner}"
