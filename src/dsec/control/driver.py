@@ -18,7 +18,6 @@ Wiring into the API service (its ``Creator`` seam)::
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -313,11 +312,11 @@ class SchedulerDriver:
 
     async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
         """A task-typed sandbox's mean CPU use, read just before it goes (right-sizing)."""
-        probe = getattr(self.agents.get(node_id), "cpu_used", None)
-        if r is None or r.task_type is None or probe is None:
+        agent = self.agents.get(node_id)
+        if r is None or r.task_type is None or agent is None:
             return None
         try:
-            return await probe(r.sandbox_id)
+            return await agent.cpu_used(r.sandbox_id)
         except Exception:  # noqa: BLE001 - a missing sample only delays right-sizing
             return None
 
@@ -470,13 +469,10 @@ class SchedulerDriver:
         log.info("preempted %s on %s (checkpoint %s); queued for resumption", sandbox_id, node_id, checkpoint_id)
 
     async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
-        """Hand a pool member to the user. Agents with ``claim`` (LocalNodeAgent) apply the
-        request's labels/env/tenant and start its TTL; others only get the TTL set."""
-        claim = getattr(agent, "claim", None)
+        """Hand a pool member to the user: the node applies the request's labels/env/tenant
+        and starts its TTL."""
         spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
-        if claim is not None:
-            return await claim(sandbox_id, spec, req.tenant)
-        return await agent.set_timeout(sandbox_id, req.ttl)
+        return await agent.claim(sandbox_id, spec, req.tenant)
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
@@ -498,9 +494,9 @@ class SchedulerDriver:
             elif req.request_id in self._via:
                 info = await self._via[req.request_id](spec, self._sids.get(req.request_id) or "", req.tenant)
                 self._via.pop(req.request_id, None)
-            elif p.kind == "pool" and "pooled" in inspect.signature(agent.create).parameters:
+            elif p.kind == "pool":
                 # A pooled create stays "ready" with no TTL running until it is claimed.
-                info = await agent.create(spec, pooled=True)  # type: ignore[call-arg]
+                info = await agent.create(spec, pooled=True)
             else:
                 info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
                                           tenant=None if p.kind == "pool" else req.tenant)
