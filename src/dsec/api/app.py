@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 
 from dsec import __version__
 from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sandboxes, routes_scheduler
+from dsec.api.compat.e2b import install_e2b
 from dsec.api.errors import install_error_handlers
 from dsec.api.hotpath import HotPath
 from dsec.api.metrics import Metrics
@@ -115,6 +116,8 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     app.include_router(routes_admin.system)
     app.include_router(routes_checkpoints.router)
     app.include_router(routes_scheduler.router)
+    # E2B SDK front ends (/e2b REST, /e2b/envd): the same SandboxService underneath.
+    app.state.e2b = install_e2b(app, services)
     app.state.checkpoints = None
     if getattr(services.node, "manager", None) is not None:
         # Episodes (trajectory log, checkpoints, fast-forward resume) and sandbox
