@@ -149,7 +149,10 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"
-        atomic_write(server_file, json.dumps({"url": url, "pid": os.getpid(), "started_at": time.time()}).encode())
+        from dsec.api.compat.e2b import e2b_urls
+
+        atomic_write(server_file, json.dumps({"url": url, **e2b_urls(url), "pid": os.getpid(),
+                                              "started_at": time.time()}).encode())
         log.info("DSec API listening on %s (token: %s)", url, settings.home / TOKEN_FILE)
         if ready is not None:
             ready.set()
