@@ -84,6 +84,19 @@ async def set_timeout(sandbox_id: SandboxId, req: TimeoutRequest, ctx: Ctx) -> S
     return await svc.sandboxes.set_timeout(t, sandbox_id, req.timeout)
 
 
+@router.post("/{sandbox_id}/reset", response_model=SandboxInfo,
+             summary="Reset to the image's pristine state: processes killed, files, /dev, IPC, network as created")
+async def reset(sandbox_id: SandboxId, ctx: Ctx) -> SandboxInfo:
+    svc, t = ctx.svc.sandboxes, ctx.tenant
+    await svc._owned(t, sandbox_id)
+    reset_ = getattr(svc.node, "reset", None)
+    if reset_ is None:
+        raise InvalidArgument("this node cannot reset sandboxes; kill it and create a new one", field="sandbox_id")
+    info = await reset_(sandbox_id)
+    svc.audit.record(sandbox_id, t.name, "reset")
+    return info
+
+
 @router.post("/{sandbox_id}/exec", response_model=ExecResult, summary="Run a command and wait for it")
 async def exec_(sandbox_id: SandboxId, req: ExecRequest, ctx: Ctx) -> Response:
     res = await ctx.svc.sandboxes.exec(ctx.tenant, sandbox_id, req)

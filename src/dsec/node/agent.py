@@ -209,6 +209,14 @@ class LocalNodeAgent:
         self.manager.records.put(rec)
         return self.manager.info(rec)
 
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        """Back to the pristine state as created (processes, files, /dev, IPC, limits,
+        network), same id and TTL; see SandboxManager.reset."""
+        info = await self.manager.reset(sandbox_id)
+        if sandbox_id in self._cpu_base:
+            self._mark_cpu_base(sandbox_id)
+        return info
+
     def denied_network_attempts(self, sandbox_id: str, since_seq: int = 0) -> list[Any]:
         """Same-process (sync) read for the audit log's teardown hook."""
         net = self.manager.network

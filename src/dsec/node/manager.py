@@ -73,6 +73,8 @@ class SandboxManager:
         self.counters: dict[str, int] = {"created": 0, "create_failed": 0, "destroyed": 0,
                                          "reaped_ttl": 0, "reaped_dead": 0, "leaks_cleaned": 0, "adopted": 0}
         self.on_state_change: list[Callable[[SandboxInfo], None]] = []
+        self._lowers: dict[str, list[str]] = {}  # sandbox -> overlay lower dirs (for reset)
+        self._reset_locks: dict[str, asyncio.Lock] = {}
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
         self.before_teardown: list[Callable[[str], None]] = []
@@ -245,6 +247,7 @@ class SandboxManager:
         syscalls.mount_tmpfs(str(p.scratch), info.disk, mode=0o700)
         mounts = self.snapshotter.prepare(info.id, rec.spec.image, p.scratch, extra_lower_dirs)
         syscalls.mount_overlay(str(p.rootfs), mounts.lower_dirs, mounts.upper_dir, mounts.work_dir)
+        self._lowers[info.id] = mounts.lower_dirs
         if rec.workdir != "/":
             SandboxFS(str(p.rootfs)).makedirs(rec.workdir)  # like a Dockerfile WORKDIR: exists
 
@@ -311,7 +314,70 @@ class SandboxManager:
                                  sandbox_id=sid) from e
         self.live.pop(sid, None)
         self.active_execs.pop(sid, None)
+        self._lowers.pop(sid, None)
+        self._reset_locks.pop(sid, None)
         self._set_state(rec, S.stopped, pid=None)
+
+    # --- reset --------------------------------------------------------------------
+
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        """Return a live sandbox to its pristine state (as created: image + what create
+        added), keeping its id, limits, network slot, TTL and agent. Container tier: in
+        place (dsec.node.reset, ~1-2 ms); gVisor, or if the fast path fails: the sandbox
+        is re-made under the same id (same spec), about as slow as a create."""
+        from dsec.node import reset as rs
+
+        rec = self.live_record(sandbox_id)
+        lock = self._reset_locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            rec = self.live_record(sandbox_id)
+            info = rec.info
+            if info.network != rec.spec.network and self.network is not None and rec.spec.network is not None:
+                await self.network.update(sandbox_id, rec.spec.network)  # allow-list as created
+                rec.info = info = info.model_copy(update={"network": rec.spec.network})
+                self.records.put(rec)
+            done = False
+            if info.isolation == "container" and info.pid and _is_sandbox_init(info.pid, sandbox_id, "container"):
+                p = self.paths(sandbox_id)
+                hosts = None
+                att = self.network.attachment(sandbox_id) if self.network is not None else None
+                if att is not None and att.hosts:
+                    hosts = ("\n".join(["127.0.0.1 localhost"] + [f"{ip} {name}" for name, ips in att.hosts.items()
+                                                                  for ip in ips]) + "\n").encode()
+                try:
+                    lowers = self._lowers.get(sandbox_id) or rs.lower_dirs_of(p.rootfs)
+                    times = await asyncio.to_thread(
+                        rs.reset_container, sandbox_id=sandbox_id, init_pid=info.pid, rootfs=p.rootfs,
+                        scratch=p.scratch, lower_dirs=lowers, disk=info.disk, workdir=rec.workdir, hosts=hosts,
+                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids))
+                    log.debug("reset %s in place: %s", sandbox_id, times)
+                    done = True
+                except (rs.ResetError, OSError) as e:
+                    log.warning("in-place reset of %s failed (%s); re-making it", sandbox_id, e)
+            if not done:
+                await self._remake(rec)
+            key = "reset_in_place" if done else "reset_remade"
+            self.counters[key] = self.counters.get(key, 0) + 1
+            return self.info(rec)
+
+    async def _remake(self, rec: SandboxRecord) -> None:
+        """Slow reset: release the kernel resources and build the sandbox again under the
+        same id and spec (network slot and state record are kept)."""
+        sid = rec.info.id
+        p = self.paths(sid)
+        rt = self.runtime(rec.info.isolation)
+        await asyncio.to_thread(_release_kernel_resources, p, rt, rec.info.pid, rec.info.isolation)
+        if self.network is not None:
+            await self.network.detach(sid)
+        await asyncio.to_thread(self.snapshotter.release, sid)
+        try:
+            await self._make(rec, [])
+        except BaseException as e:
+            reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
+            self._set_state(rec, S.failed, error=f"reset failed: {reason}")
+            await self._teardown(rec)
+            raise SandboxFailure(f"sandbox {sid} could not be reset: {reason}", sandbox_id=sid) from e
+        self.records.put(rec)
 
     # --- reconcile ----------------------------------------------------------------
 

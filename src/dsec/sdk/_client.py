@@ -65,6 +65,9 @@ class _Api:
     def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
         return self._run(_ops.set_timeout(sandbox_id, timeout))
 
+    def reset(self, sandbox_id: str) -> Any:
+        return self._run(_ops.reset(sandbox_id))
+
     def exec(self, sandbox_id: str, req: ExecRequest) -> Any:
         return self._run(_ops.exec_(sandbox_id, req, self.config.timeout_s))
 

@@ -82,6 +82,12 @@ def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
                 json={"timeout": timeout}, idempotent=True)
 
 
+def reset(sandbox_id: str) -> Call[SandboxInfo]:
+    # Not retried on its own: a reset that reached the server already wiped the sandbox;
+    # a second one is harmless but would also kill what the caller started in between.
+    return Call("POST", f"{_SB}/{_sid(sandbox_id)}/reset", lambda r: SandboxInfo.model_validate_json(r.content))
+
+
 def exec_request(cmd: str | list[str], timeout: float | None = None, cwd: str | None = None,
                  env: dict[str, str] | None = None, stdin: str | bytes | None = None,
                  background: bool = False) -> ExecRequest:
