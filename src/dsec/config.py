@@ -14,12 +14,28 @@ import tomllib
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_home() -> Path:
     return Path(os.environ.get("DSEC_HOME", "/var/lib/dsec"))
+
+
+def _address_list(value: object) -> object:
+    """An env/TOML string is a JSON list or comma-separated: '10.0.0.1:3128,10.0.0.2:53'."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+            return json.loads(text)
+        return [x.strip() for x in text.split(",") if x.strip()]
+    return value
+
+
+AddressList = Annotated[list[str], NoDecode, BeforeValidator(_address_list)]
 
 
 class Settings(BaseSettings):
@@ -189,6 +205,10 @@ class Settings(BaseSettings):
     net_denied_audit_distinct: int = Field(50, description="Denied destinations itemized per audit log; "
                                                             "more are only counted")
     net_denied_audit_poll_s: float = Field(2.0, description="How often denied attempts are copied into audit logs")
+    net_host_allow: AddressList = Field(default_factory=list, description="Operator only: host/node IP:PORT (or "
+                                      "IP:LO-HI) sandboxes may name in allow-lists; other host addresses never open")
+    net_node_addresses: AddressList = Field(default_factory=list, description="Extra node addresses (IPs/CIDRs, e.g. "
+                                          "cluster peers) treated like the host's own: closed unless net_host_allow")
 
     # --- checkpoints (SPEC §4) ------------------------------------------------------
     checkpoint_roots: list[Path] = Field(default_factory=list, description="Replica roots (default HOME/blobs)")

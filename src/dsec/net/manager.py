@@ -23,6 +23,7 @@ from dsec.errors import Conflict, NotFound
 from dsec.net import links
 from dsec.net.alloc import allocate
 from dsec.net.allowlist import AllowRule, parse_allow_list, system_resolver
+from dsec.net.hostaddrs import HostGuard, kernel_delivers_locally, parse_host_allow, parse_node_addresses
 from dsec.net.models import DeniedAttempt, NetAttachment
 from dsec.net.nflog import NflogSocket, parse_ipv4
 from dsec.net.slots import SlotOps
@@ -50,6 +51,9 @@ class NetworkManager:
         self._fill_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        self._guard = HostGuard(ipaddress.IPv4Network(settings.net_cidr),
+                                tuple(parse_node_addresses(settings.net_node_addresses)),
+                                tuple(parse_host_allow(settings.net_host_allow)))
 
     @property
     def ops(self) -> SlotOps:
@@ -173,6 +177,8 @@ class NetworkManager:
     # --- internals -----------------------------------------------------------------
     async def _parse(self, allow: list[str]) -> tuple[list[str], list[AllowRule]]:
         rules = await asyncio.to_thread(parse_allow_list, allow, system_resolver)
+        if any(r.exact_host for r in rules):  # a clear 422 for node addresses (nftables refuses them anyway)
+            await asyncio.to_thread(self._guard.check, rules, kernel_delivers_locally)
         return [str(e) for e in allow], rules
 
     def _attachment(self, idx: int, rules: list[AllowRule]) -> NetAttachment:
@@ -231,6 +237,8 @@ class NetworkManager:
             if live is None or rec.sandbox_id in live:  # start(): leave attached to the caller
                 keep.add(idx)
                 if rec.sandbox_id not in self._slot_of:
+                    if idx in inv.indices:  # chains of an older run may be wider than ours
+                        await asyncio.to_thread(ops.refresh_chains, idx)
                     self._slot_of[rec.sandbox_id] = idx
                     self._owner[idx] = rec.sandbox_id
                     self._events.setdefault(rec.sandbox_id,

@@ -12,8 +12,12 @@ Layout (one table per node agent, ``inet dsec_<tag>``, plus ``arp dsec_<tag>``):
   packet, not only at connection start, so removing a destination with ``update`` also
   cuts established flows.
 - ``input``: traffic from a sandbox to any of the host's own addresses goes via ``inmap``
-  to the slot's input chain, which only honours exact-address entries (a broad CIDR
-  such as ``0.0.0.0/0`` never opens host services).
+  to the slot's input chain. It opens a host destination only if the tenant named that
+  exact address (a broad CIDR such as ``0.0.0.0/0`` never opens host services) AND the
+  operator listed it in ``hostallow`` (``Settings.net_host_allow``); everything else is
+  refused and logged. The slot's forward chain sends the operator's declared node
+  addresses (``nodes``: ``Settings.net_node_addresses``, e.g. cluster peers) to the
+  same input chain, so they get the host's treatment whatever the tenant's CIDRs say.
 - ``allowed``: per-source concurrent connection limit (``ct count``), then accept.
 - ``post`` (nat): masquerade sandbox traffic leaving through a non-sandbox interface.
 - ``arp dsec_<tag> in``: ARP from a sandbox veth must carry the veth's IP and MAC.
@@ -39,6 +43,8 @@ class PolicyParams:
     max_connections: int
     log_group: int
     log_rate: int  # denied packets logged per second per sandbox
+    host_allow: tuple[AllowRule, ...] = ()  # operator: host/node IP:PORTs sandboxes may name
+    node_nets: tuple[ipaddress.IPv4Network, ...] = ()  # operator: other node/cluster addresses
 
     @property
     def table(self) -> str:
@@ -58,7 +64,11 @@ add set inet {t} ids {{ type ifname . ipv4_addr . ether_addr; }}
 add set inet {t} connlim {{ type ipv4_addr; size 65535; flags dynamic; }}
 add map inet {t} fwdmap {{ type ifname : verdict; }}
 add map inet {t} inmap {{ type ifname : verdict; }}
-add chain inet {t} allowed
+add set inet {t} hostallow {{ type ipv4_addr . inet_service; flags interval; }}
+flush set inet {t} hostallow
+add set inet {t} nodes {{ type ipv4_addr; flags interval; auto-merge; }}
+flush set inet {t} nodes
+{_base_elements(p)}add chain inet {t} allowed
 flush chain inet {t} allowed
 add rule inet {t} allowed ct state new add @connlim {{ ip saddr ct count over {p.max_connections} }} \
 counter reject with icmpx type admin-prohibited
@@ -88,6 +98,18 @@ add rule arp {t} in iifname {g} iifname . arp saddr ip . arp saddr ether != @ids
 """
 
 
+def _base_elements(p: PolicyParams) -> str:
+    """The operator's node-address lists, refilled at every start (settings may change)."""
+    t, lines = p.table, []
+    allow = port_elements(list(p.host_allow))
+    if allow:
+        elems = ", ".join(f"{_range(a, b)} . {_range(c, d, str)}" for a, b, c, d in allow)
+        lines.append(f"add element inet {t} hostallow {{ {elems} }}")
+    if p.node_nets:
+        lines.append(f"add element inet {t} nodes {{ {', '.join(str(n) for n in p.node_nets)} }}")
+    return "".join(line + "\n" for line in lines)
+
+
 def _deny_rules(p: PolicyParams, chain: str, prefix: str) -> str:
     t = p.table
     return f"""add rule inet {t} {chain} counter limit rate {p.log_rate}/second burst {p.log_rate} packets \
@@ -106,21 +128,31 @@ add set inet {t} {n.set_hosts} {{ type ipv4_addr; flags interval; auto-merge; }}
 add set inet {t} {n.set_ports} {{ type ipv4_addr . inet_service; flags interval; }}
 add set inet {t} {n.set_local_hosts} {{ type ipv4_addr; flags interval; auto-merge; }}
 add set inet {t} {n.set_local_ports} {{ type ipv4_addr . inet_service; flags interval; }}
-add chain inet {t} {n.chain_fwd}
-flush chain inet {t} {n.chain_fwd}
-add rule inet {t} {n.chain_fwd} ip daddr @{n.set_hosts} goto allowed
-add rule inet {t} {n.chain_fwd} meta l4proto {{ tcp, udp }} ip daddr . th dport @{n.set_ports} goto allowed
-{_deny_rules(p, n.chain_fwd, n.log_prefix + ':f')}
-add chain inet {t} {n.chain_in}
-flush chain inet {t} {n.chain_in}
-add rule inet {t} {n.chain_in} ip daddr @{n.set_local_hosts} accept
-add rule inet {t} {n.chain_in} meta l4proto {{ tcp, udp }} ip daddr . th dport @{n.set_local_ports} accept
-{_deny_rules(p, n.chain_in, n.log_prefix + ':i')}
+{slot_chains_script(p, n)}
 add element inet {t} fwdmap {{ "{n.host_if}" : jump {n.chain_fwd} }}
 add element inet {t} inmap {{ "{n.host_if}" : jump {n.chain_in} }}
 add element inet {t} ids {{ {idt} }}
 add element arp {t} ids {{ {idt} }}
 """
+
+
+def slot_chains_script(p: PolicyParams, n: SlotNames) -> str:
+    """(Re)write one slot's two chains; run at build and for slots adopted at start, so a
+    restart after an upgrade never keeps an older, wider rule set. The sets survive."""
+    t = p.table
+    return f"""add chain inet {t} {n.chain_fwd}
+add chain inet {t} {n.chain_in}
+flush chain inet {t} {n.chain_fwd}
+add rule inet {t} {n.chain_fwd} ip daddr @nodes goto {n.chain_in}
+add rule inet {t} {n.chain_fwd} ip daddr @{n.set_hosts} goto allowed
+add rule inet {t} {n.chain_fwd} meta l4proto {{ tcp, udp }} ip daddr . th dport @{n.set_ports} goto allowed
+{_deny_rules(p, n.chain_fwd, n.log_prefix + ':f')}
+flush chain inet {t} {n.chain_in}
+add rule inet {t} {n.chain_in} ip daddr @{n.set_local_hosts} meta l4proto {{ tcp, udp }} \
+ip daddr . th dport @hostallow goto allowed
+add rule inet {t} {n.chain_in} meta l4proto {{ tcp, udp }} ip daddr . th dport @{n.set_local_ports} \
+ip daddr . th dport @hostallow goto allowed
+{_deny_rules(p, n.chain_in, n.log_prefix + ':i')}"""
 
 
 def _ip(v: int) -> str:

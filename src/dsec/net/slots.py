@@ -18,9 +18,18 @@ from dsec.net import links
 from dsec.net.alloc import SlotAddr, SlotNames, instance_tag, parse_rate, slot_addr, slot_index_of
 from dsec.net.allowlist import AllowRule
 from dsec.net.faults import fault
+from dsec.net.hostaddrs import parse_host_allow, parse_node_addresses
 from dsec.net.nft import Nft, NftError
 from dsec.net.records import RecordStore, SlotRecord
-from dsec.net.rules import PolicyParams, allow_script, base_script, ident, slot_delete_script, slot_script
+from dsec.net.rules import (
+    PolicyParams,
+    allow_script,
+    base_script,
+    ident,
+    slot_chains_script,
+    slot_delete_script,
+    slot_script,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,9 @@ class SlotOps:
         if group is None:
             group = 0x1000 + int(self.tag, 16) % 0xE000
         self.params = PolicyParams(self.tag, settings.net_cidr, settings.net_max_connections,
-                                   group, settings.net_denied_log_rate)
+                                   group, settings.net_denied_log_rate,
+                                   tuple(parse_host_allow(settings.net_host_allow)),
+                                   tuple(parse_node_addresses(settings.net_node_addresses)))
         self.rate = parse_rate(settings.net_egress_rate)
         self.burst = parse_bytes(settings.net_egress_burst)
         self.nft = Nft()
@@ -102,6 +113,10 @@ class SlotOps:
             except Exception:
                 log.exception("cleanup of half-built network slot %d failed", index)
             raise
+
+    def refresh_chains(self, index: int) -> None:
+        """Rewrite an adopted slot's chains with this version's rules (sets untouched)."""
+        self.nft.run(slot_chains_script(self.params, self.names(index)))
 
     def install_allow(self, index: int, sandbox_id: str, entries: list[str], rules: list[AllowRule],
                       point: str = "attach") -> None:

@@ -112,7 +112,7 @@ def test_scripts_render_the_policy() -> None:
     assert allow.count("flush set") == 4
     assert "add element inet dsec_abcd sbh0007 { 10.1.2.3 }" in allow
     assert "add element inet dsec_abcd sblh0007 { 10.1.2.3 }" in allow
-    assert "sblp0007 { 10.9.9.9 . 22 }" in allow  # only exact addresses open host services
+    assert "sblp0007 { 10.9.9.9 . 22 }" in allow  # only exact addresses (and net_host_allow) open host services
     [line] = [x for x in allow.splitlines() if x.startswith("add element inet dsec_abcd sbp0007")]
     for elem in ("10.0.0.0-10.9.9.8 . 443", "10.9.9.9 . 22", "10.9.9.9 . 443", "10.9.9.10-10.255.255.255 . 443"):
         assert elem in line  # overlapping entries cut into disjoint pieces
