@@ -216,6 +216,8 @@ class Settings(BaseSettings):
     checkpoint_full_every: int = Field(20, description="Full checkpoint every N incremental ones")
     # --- checkpoints: recovery engine (owner: state recovery) ---------------------------
     checkpoint_cache_dir: Path | None = Field(None, description="Unpacked checkpoint layers (default HOME/ckpt-layers)")
+    checkpoint_layer_gc_grace_s: float = Field(60.0, ge=0, description="An unpacked checkpoint layer no mounted "
+                                               "sandbox uses is deleted once this old (made or last reused)")
     checkpoint_gc_grace_s: float = Field(3600.0, description="Unreferenced checkpoint blobs older than this are collected")
     checkpoint_zstd_level: int = Field(3, description="zstd level of checkpoint layers and trajectory segments")
     checkpoint_max_context_bytes: int = Field(64 * 1024 * 1024, description="Largest agent context accepted per save")

@@ -11,6 +11,7 @@ import secrets
 import time
 
 from dsec.errors import Forbidden, Unauthorized
+from dsec.state.keys import new_tenant_uid
 from dsec.state.store import StateStore, TenantRecord
 
 TOKEN_PREFIX = "dsec_"
@@ -53,9 +54,11 @@ class TenantAuth:
 
     def create_tenant(self, name: str, *, admin: bool = False, max_sandboxes: int | None = None,
                       max_cpu: float | None = None, max_memory: int | None = None,
-                      images: list[str] | None = None) -> tuple[TenantRecord, str]:
+                      images: list[str] | None = None, uid: str | None = None) -> tuple[TenantRecord, str]:
+        """``uid``: only to re-issue the token of the SAME tenant (it keeps its data)."""
         token = new_token()
-        rec = TenantRecord(name=name, token_hash=hash_token(token), admin=admin, max_sandboxes=max_sandboxes,
+        # A new uid every time: a re-created name shares nothing with its predecessor (issue 18 #7).
+        rec = TenantRecord(name=name, uid=uid or new_tenant_uid(), token_hash=hash_token(token), admin=admin, max_sandboxes=max_sandboxes,
                            max_cpu=max_cpu, max_memory=max_memory, images=images, created_at=time.time())
         self._state.put_tenant(rec)
         self.invalidate()

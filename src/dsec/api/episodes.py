@@ -5,7 +5,9 @@ Wire-up (one line in the app factory)::
     from dsec.api.episodes import include_episodes
     include_episodes(app, engine)       # engine: dsec.checkpoints.engine.EpisodeEngine
 
-Episode ids are per tenant: the engine stores them as ``<tenant>--<id>``.
+Episode ids are per tenant: the engine stores them under ``dsec.state.keys.episode_key``
+(the tenant's immutable uid, fixed-length, then ``--`` and the id), so no tenant name or
+episode id can reach another tenant's episode, and a re-created tenant starts empty.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, Field
 from dsec.checkpoints.engine import EpisodeEngine
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
+from dsec.state.keys import episode_key
 
 router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
 EpisodeId = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$", description="Episode id")]
@@ -54,7 +57,7 @@ Epoch = Annotated[int | None, Header(alias=EPOCH_HEADER, ge=0, description="Owne
 
 
 def _key(t: Any, episode_id: str) -> str:
-    return f"{t.name}--{episode_id}"
+    return episode_key(t.uid, episode_id)
 
 
 def _public(info: EpisodeInfo, episode_id: str) -> EpisodeInfo:

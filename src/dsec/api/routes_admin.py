@@ -125,8 +125,10 @@ async def list_tenants(ctx: Ctx) -> list[TenantInfo]:
     return [TenantInfo.of(r) for r in svc.state.list_tenants()]
 
 
-@tenants.delete("/{name}", status_code=204, summary="Remove a tenant and kill its sandboxes")
-async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)], ctx: Ctx) -> Response:
+@tenants.delete("/{name}", status_code=204,
+                summary="Remove a tenant: kill its sandboxes, delete its checkpoints, episodes and request ids")
+async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)], ctx: Ctx,
+                        request: Request) -> Response:
     svc, t = ctx.svc, ctx.tenant
     require_admin(t)
     if name == t.name:
@@ -134,12 +136,45 @@ async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)],
     victim = svc.state.get_tenant(name)
     if victim is None:
         raise NotFound(f"tenant {name!r} not found; list tenants with `dsec tenant ls`", tenant=name)
+    killed = []
     for info in await svc.sandboxes.list(victim):
         with contextlib.suppress(NotFound):
             await svc.sandboxes.kill(victim, info.id)
+            killed.append(info.id)
+    await purge_tenant_data(request.app.state, svc, victim, killed)
     svc.state.delete_tenant(name)
     svc.auth.invalidate()
     return Response(status_code=204)
+
+
+async def purge_tenant_data(app_state: Any, svc: Any, victim: Any, killed: list[str]) -> None:
+    """Delete what a removed tenant leaves behind (issue 18 #7), so a tenant later created
+    under the same name finds nothing: its checkpoints and episodes (keyed by its uid),
+    its idempotency keys, and the scheduler's request tickets and owner leases (keyed by
+    ``<name>/...``: names never contain ``/``). Its sandboxes' audit logs stay orphaned
+    (owned by a uid no tenant will ever have) until the retention prune."""
+    ckpts, episodes = getattr(app_state, "checkpoints", None), getattr(app_state, "episodes", None)
+    if ckpts is not None:
+        for sid in killed:
+            await ckpts.forget_sandbox(sid)
+    if victim.uid:
+        from dsec.state.keys import episode_key_prefix
+        await asyncio.to_thread(svc.state.purge_tenant, victim.uid)
+        if ckpts is not None:
+            await ckpts.purge(victim.uid)
+        if episodes is not None:
+            await episodes.purge(episode_key_prefix(victim.uid))
+    driver = svc.scheduler
+    if driver is not None:
+        prefix = f"{victim.name}/"
+        sched = driver.sched
+        for rid, t in [(r, t) for r, t in list(sched.tickets.items()) if r.startswith(prefix)]:
+            if t.state == "queued":  # withdrawn: its waiting create answers 429, nothing is made
+                with contextlib.suppress(Exception):
+                    driver._withdraw(rid)
+            sched.forget(rid)  # its status and sandbox id must not reach a namesake
+        for owner in [o for o in list(sched.leases) if o.startswith(prefix)]:
+            await driver.release_owner(owner)
 
 
 @tenants.get("/me", response_model=TenantInfo, summary="The tenant this token belongs to")

@@ -4,6 +4,8 @@ The storage format and restore mechanics are ``dsec.checkpoints.sandbox_ckpt``'s
 module adds tenancy (another tenant's sandbox or checkpoint is 404), the dead-sandbox
 rule (409) and the audit trail. Restores go through ``SandboxService.create`` so they
 count against quotas, honour image allow-lists and are idempotent by ``request_id``.
+Checkpoints are keyed by the tenant's immutable uid (``TenantRecord.uid``), never its
+name: a tenant re-created under a removed one's name sees none of its checkpoints.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ async def _live_owned(ctx: RequestContext, sandbox_id: str) -> SandboxInfo:
     try:
         info = await ctx.svc.sandboxes.get(ctx.tenant, sandbox_id)
     except NotFound:
-        if await asyncio.to_thread(ctx.svc.state.sandbox_owner, sandbox_id) == ctx.tenant.name:
+        if await asyncio.to_thread(ctx.svc.state.sandbox_owner, sandbox_id) == ctx.tenant.uid:
             raise Conflict(f"sandbox {sandbox_id} is destroyed; only a live sandbox can be checkpointed "
                            "(checkpoint before killing it)", sandbox_id=sandbox_id, state="destroyed") from None
         raise
@@ -53,7 +55,7 @@ async def _live_owned(ctx: RequestContext, sandbox_id: str) -> SandboxInfo:
 async def checkpoint(sandbox_id: SandboxId, ctx: Ctx, request: Request) -> CheckpointInfo:
     ck = _ckpts(request)
     await _live_owned(ctx, sandbox_id)
-    info = await ck.checkpoint(ctx.tenant.name, sandbox_id)
+    info = await ck.checkpoint(ctx.tenant.uid, sandbox_id)
     ctx.svc.audit.record(sandbox_id, ctx.tenant.name, "checkpoint", checkpoint_id=info.id,
                          fs_digest=info.fs_digest, size=info.size)
     return info
@@ -62,32 +64,35 @@ async def checkpoint(sandbox_id: SandboxId, ctx: Ctx, request: Request) -> Check
 @router.get("/v1/sandboxes/{sandbox_id}/checkpoints", response_model=list[CheckpointInfo],
             summary="Checkpoints taken of one of your sandboxes (also after it died)")
 async def sandbox_checkpoints(sandbox_id: SandboxId, ctx: Ctx, request: Request) -> list[CheckpointInfo]:
-    return await _ckpts(request).list(ctx.tenant.name, sandbox_id)
+    return await _ckpts(request).list(ctx.tenant.uid, sandbox_id)
 
 
 @router.get("/v1/checkpoints", response_model=list[CheckpointInfo], summary="Your checkpoints, oldest first")
 async def list_checkpoints(ctx: Ctx, request: Request,
                            sandbox_id: Annotated[str | None, Query(pattern=ID_PATTERN)] = None
                            ) -> list[CheckpointInfo]:
-    return await _ckpts(request).list(ctx.tenant.name, sandbox_id)
+    return await _ckpts(request).list(ctx.tenant.uid, sandbox_id)
 
 
 @router.get("/v1/checkpoints/{checkpoint_id}", response_model=CheckpointInfo)
 async def get_checkpoint(checkpoint_id: CheckpointId, ctx: Ctx, request: Request) -> CheckpointInfo:
     from dsec.checkpoints.sandbox_ckpt import info_of
-    return info_of(await _ckpts(request).load(ctx.tenant.name, checkpoint_id))
+    return info_of(await _ckpts(request).load(ctx.tenant.uid, checkpoint_id))
 
 
 @router.post("/v1/checkpoints/{checkpoint_id}/restore", response_model=SandboxInfo, status_code=201,
              summary="A NEW sandbox from a checkpoint: same image, resources, env, files (byte for byte)")
 async def restore(checkpoint_id: CheckpointId, req: RestoreRequest, ctx: Ctx, request: Request) -> SandboxInfo:
     ck = _ckpts(request)
-    spec, create = await ck.prepare_restore(ctx.tenant.name, checkpoint_id)
+    spec, create = await ck.prepare_restore(ctx.tenant.uid, checkpoint_id)
     fields = spec.model_dump(exclude_none=True)
     for k in ("labels", "timeout", "request_id"):
         if getattr(req, k) is not None:
             fields[k] = getattr(req, k)
-    info = await ctx.svc.sandboxes.create(ctx.tenant, SandboxSpec.model_validate(fields), creator=create)
+    try:
+        info = await ctx.svc.sandboxes.create(ctx.tenant, SandboxSpec.model_validate(fields), creator=create)
+    finally:
+        create.release()  # refused before it ran (quota, 429): its unpacked layers may go
     ctx.svc.audit.record(info.id, ctx.tenant.name, "restore", checkpoint_id=checkpoint_id)
     return info
 
@@ -95,7 +100,7 @@ async def restore(checkpoint_id: CheckpointId, req: RestoreRequest, ctx: Ctx, re
 @router.delete("/v1/checkpoints/{checkpoint_id}", status_code=204,
                summary="Delete a checkpoint (sandboxes restored from it keep running)")
 async def delete_checkpoint(checkpoint_id: CheckpointId, ctx: Ctx, request: Request) -> Response:
-    await _ckpts(request).delete(ctx.tenant.name, checkpoint_id)
+    await _ckpts(request).delete(ctx.tenant.uid, checkpoint_id)
     return Response(status_code=204)
 
 

@@ -37,9 +37,9 @@ def ensure_local_token(services: Services) -> str:
     if token is not None and rec is not None and rec.token_hash == hash_token(token):
         return token
     if rec is not None:
-        # Token file lost: issue a new token for the same tenant (its sandboxes stay its own).
+        # Token file lost: issue a new token for the same tenant (same uid: its data stays its own).
         services.state.delete_tenant(LOCAL_TENANT)
-    _, token = services.auth.create_tenant(LOCAL_TENANT, admin=True)
+    _, token = services.auth.create_tenant(LOCAL_TENANT, admin=True, uid=rec.uid if rec is not None else None)
     atomic_write(home / TOKEN_FILE, token.encode() + b"\n", 0o600)
     return token
 

@@ -184,15 +184,16 @@ class SandboxService:
     async def _owned(self, tenant: TenantRecord, sandbox_id: str) -> None:
         owner = self._owners.get(sandbox_id)
         if owner is None:
-            owner = self.state.sandbox_owner(sandbox_id)
-            if owner is None:
+            owner = self.state.sandbox_owner(sandbox_id)  # the owner's uid (issue 18 #7)
+            if owner is None:  # not created through this API: the node's tenant label (a name) decides
                 try:
-                    owner = (await self.node.get(sandbox_id)).tenant
+                    label = (await self.node.get(sandbox_id)).tenant
                 except NotFound:
-                    owner = None
+                    label = None
+                owner = tenant.uid if label is not None and label == tenant.name else None
             if owner is not None:
                 self._owners[sandbox_id] = owner
-        if owner != tenant.name:
+        if owner != tenant.uid:
             raise _not_found(sandbox_id)
         if self.preempted is not None and (wait := self.preempted(sandbox_id)) is not None:
             raise TransientError(f"sandbox {sandbox_id} was preempted by a higher-priority request; its "
@@ -217,7 +218,7 @@ class SandboxService:
                              " retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
         if spec.request_id is None:
             return await self._create_new(tenant, spec, new_sandbox_id(), creator)
-        key = (tenant.name, spec.request_id)
+        key = (tenant.uid, spec.request_id)
         async with self._idem_locks[key]:
             try:
                 return await self._create_idempotent(tenant, spec, creator)
@@ -230,12 +231,12 @@ class SandboxService:
         # Single-row SQLite writes (WAL, synchronous=NORMAL: no fsync) take ~30 us; a worker
         # thread hop costs ~200 us and more under load, so the create path writes inline.
         rec = self.state.idem_reserve(IdempotencyRecord(
-            tenant=tenant.name, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
+            tenant=tenant.uid, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
         sid = str(rec.info["id"]) if rec.done and rec.info else rec.sandbox_id
         try:
             info = await self.node.get(sid)
             if not rec.done:  # created, then we crashed before recording it
-                self.state.idem_complete(tenant.name, spec.request_id, info.model_dump(mode="json"))
+                self.state.idem_complete(tenant.uid, spec.request_id, info.model_dump(mode="json"))
             return info
         except NotFound:
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
@@ -243,12 +244,12 @@ class SandboxService:
         rid = spec.request_id
 
         def complete(info: SandboxInfo) -> None:
-            self.state.idem_complete(tenant.name, rid, info.model_dump(mode="json"))
+            self.state.idem_complete(tenant.uid, rid, info.model_dump(mode="json"))
 
         try:
             return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete)
         except DSecError:
-            await asyncio.to_thread(self.state.idem_delete, tenant.name, spec.request_id)  # retry afresh
+            await asyncio.to_thread(self.state.idem_delete, tenant.uid, spec.request_id)  # retry afresh
             raise
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
@@ -266,8 +267,8 @@ class SandboxService:
                 # serialised (its reservation counts it while in flight).
                 await self._admit(tenant, spec, sandbox_id)
                 reserved = True
-                self.state.record_sandbox(sandbox_id, tenant.name, time.time())
-                self._owners[sandbox_id] = tenant.name
+                self.state.record_sandbox(sandbox_id, tenant.uid, time.time())  # owned by the uid
+                self._owners[sandbox_id] = tenant.uid
                 self._creating.add(sandbox_id)
             if creator is not None and self._route is not None:
                 creator = self._route(creator)
@@ -294,7 +295,7 @@ class SandboxService:
 
         def record_outcome() -> None:
             if handed_over:
-                self.state.record_sandbox(info.id, tenant.name, time.time())
+                self.state.record_sandbox(info.id, tenant.uid, time.time())
                 self.state.mark_dead([sandbox_id], time.time())
             if finish is not None:
                 finish(info)
@@ -302,7 +303,7 @@ class SandboxService:
         if handed_over or finish is not None:
             record_outcome()
         if handed_over:
-            self._owners[info.id] = tenant.name
+            self._owners[info.id] = tenant.uid
             self._owners.pop(sandbox_id, None)
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
@@ -317,7 +318,10 @@ class SandboxService:
         return await self.node.get(sandbox_id)
 
     async def list(self, tenant: TenantRecord, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        return await self.node.list(labels=labels or None, tenant=tenant.name)
+        infos = await self.node.list(labels=labels or None, tenant=tenant.name)
+        # The node labels by name; a sandbox this API made for a removed namesake (another
+        # uid) is not this tenant's (issue 18 #7).
+        return [i for i in infos if self._owners.get(i.id, tenant.uid) == tenant.uid]
 
     async def kill(self, tenant: TenantRecord, sandbox_id: str) -> None:
         try:
@@ -439,7 +443,7 @@ class SandboxService:
 
     # --- audit / housekeeping ----------------------------------------------------------
     async def audit_log(self, tenant: TenantRecord, sandbox_id: str, limit: int) -> list[dict[str, Any]]:
-        if self.state.sandbox_owner(sandbox_id) != tenant.name:
+        if self.state.sandbox_owner(sandbox_id) != tenant.uid:
             raise NotFound(f"no audit log for sandbox {sandbox_id}: unknown, another tenant's, or older than "
                            f"the retention period ({self.settings.audit_retention_s:g}s)", sandbox_id=sandbox_id)
         await self.audit.flush()

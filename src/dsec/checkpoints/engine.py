@@ -34,7 +34,8 @@ from dsec.checkpoints import owners
 from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.episode_sandboxes import SandboxBook
 from dsec.checkpoints.fsdiff import image_lookup
-from dsec.checkpoints.fsstate import FsTracker, materialize
+from dsec.checkpoints.fsstate import FsTracker
+from dsec.checkpoints.layer_cache import LayerCache, disk_quota
 from dsec.checkpoints.host import EpisodeHost, ImageView
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.checkpoints.squasher import BackgroundSquasher
@@ -90,6 +91,7 @@ class EpisodeEngine:
                  cache_dir: Path | None = None) -> None:
         self.settings, self.store, self.host = settings, store, host
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
+        self.layers = LayerCache.at(self.cache_dir, settings.checkpoint_layer_gc_grace_s)
         self._live: dict[str, _Live] = {}
         self.counters: dict[str, float] = {"units_written": 0, "unit_failures": 0, "unit_seconds_total": 0.0,
                                            "restores": 0, "restore_fallbacks": 0, "restore_seconds_total": 0.0,
@@ -165,7 +167,7 @@ class EpisodeEngine:
         view = await self.host.image_view(spec)
         tracker = self._tune(FsTracker(in_image=image_lookup(view.lower_dirs),
                                        full_every=self.settings.checkpoint_full_every,
-                                       level=self.settings.checkpoint_zstd_level))
+                                       level=self.settings.checkpoint_zstd_level), spec)
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker, epoch=epoch)
         orphans = await self.sandboxes.orphans(episode_id)  # of a create that crashed before its first unit
         live.sandbox_id = await self.sandboxes.new(episode_id, spec, [])
@@ -193,7 +195,8 @@ class EpisodeEngine:
             read_part(self.store, meta.context, meta.inline)
         return records, b"".join(raw)
 
-    def _tune(self, tracker: FsTracker) -> FsTracker:
+    def _tune(self, tracker: FsTracker, spec: SandboxSpec) -> FsTracker:
+        tracker.max_bytes = disk_quota(spec, self.settings)  # a unit never holds more than the sandbox may
         tracker.background = self.settings.checkpoint_squash_background
         tracker.max_chain = max(self.settings.checkpoint_max_chain, self.settings.checkpoint_full_every + 1)
         return tracker
@@ -240,16 +243,21 @@ class EpisodeEngine:
                                           self.settings.checkpoint_zstd_level, meta.inline)
         if tracker.fs_digest != meta.fs_digest:
             raise errors.DigestMismatch(f"unit {meta.seq}: manifest digest does not match the metadata")
-        self._tune(tracker)
-        lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
-        # Survivors of a crash may be ahead of the log: never reused, destroyed once the new
-        # sandbox exists (off the restore path; their store markers make it crash-proof).
-        orphans = await self.sandboxes.orphans(meta.episode_id)
-        live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
-                     segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
-                     user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
-                     next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline), traj_bytes=traj_bytes)
-        live.sandbox_id = await self.sandboxes.new(meta.episode_id, spec, lowers)
+        self._tune(tracker, spec)
+        lowers = await asyncio.to_thread(self.layers.materialize, self.store, meta.fs_chain, meta.inline,
+                                         disk_quota(spec, self.settings))
+        try:
+            # Survivors of a crash may be ahead of the log: never reused, destroyed once the new
+            # sandbox exists (off the restore path; their store markers make it crash-proof).
+            orphans = await self.sandboxes.orphans(meta.episode_id)
+            live = _Live(id=meta.episode_id, spec=spec, view=view, tracker=tracker, records=records,
+                         segments=list(meta.trajectory), context=meta.context, weights_ref=meta.weights_ref,
+                         user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
+                         next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline),
+                         traj_bytes=traj_bytes)
+            live.sandbox_id = await self.sandboxes.new(meta.episode_id, spec, lowers)
+        finally:
+            self.layers.unpin(lowers)  # mounted now (or failed): the mount keeps them from the sweep
         self.sandboxes.reap_later(meta.episode_id, orphans)
         live.journal = await self._open_journal(meta.episode_id, traj_bytes)
         return live
@@ -289,10 +297,15 @@ class EpisodeEngine:
             if step < n:
                 rec = live.records[step]
                 if not rec.same_command(req.cmd, req.cwd, req.env, _stdin_digest(req.stdin)):
+                    # Never echo the logged command: the error must not be a way to read the
+                    # log (issue 18 #1); its digest tells the owner which step differs, the
+                    # trajectory export shows the command itself.
+                    logged = hashlib.sha256(repr((rec.command, rec.cwd)).encode()).hexdigest()[:16]
                     raise errors.ReplayDiverged(
-                        f"episode {episode_id!r} step {step}: the log has {rec.command!r} (cwd={rec.cwd!r}) "
-                        f"but the agent now runs {req.cmd!r} (cwd={req.cwd!r}); a resumed agent must "
-                        "replay the same commands in the same order", step=step)
+                        f"episode step {step}: the agent now runs {req.cmd!r} (cwd={req.cwd!r}) but the log "
+                        f"has a different command at this step (logged command+cwd sha256 {logged}...; see "
+                        "the trajectory export); a resumed agent must replay the same commands in the same "
+                        "order", step=step, logged_sha256=logged)
                 self.counters["steps_replayed"] += 1
                 return StepResult(step=step, replayed=True, exit_code=rec.exit_code, stdout=rec.stdout,
                                   stderr=rec.stderr, duration=rec.duration, timed_out=rec.timed_out,
@@ -513,6 +526,30 @@ class EpisodeEngine:
                     await self.sandboxes.drop(live.id, live.sandbox_id)
                 await self._close_journal(live, remove=True)
         await self.sandboxes.reaped(episode_id)
+        await self.layers.gc()
+
+    async def purge(self, key_prefix: str) -> int:
+        """Delete every episode whose key starts with ``key_prefix`` (a removed tenant's,
+        ``dsec.state.keys.episode_key_prefix``): close the open ones, destroy sandboxes
+        their markers name, delete their units, owner records and journals. Parts are
+        left to ``collect_garbage`` (content-addressed; another episode may share them).
+        Returns the number of episodes deleted."""
+        if not key_prefix or "/" in key_prefix:
+            raise errors.InvalidArgument(f"refusing to purge episodes with prefix {key_prefix!r}")
+        for ep in [k for k in self._live if k.startswith(key_prefix)]:
+            await self.close(ep)
+        keys = await asyncio.to_thread(self.store.list, f"episodes/{key_prefix}")
+        episodes = {k.split("/")[1] for k in keys}
+        for key in keys:
+            parts = key.split("/")
+            if len(parts) == 4 and parts[2] == "sandboxes":  # a crashed server's leftover
+                await self.host.destroy(parts[3])
+        for key in keys:
+            await asyncio.to_thread(self.store.delete, key)
+        for ep in episodes:
+            self._journal_path(ep).unlink(missing_ok=True)
+        await self.layers.gc()
+        return len(episodes)
 
     async def forget(self, episode_id: str) -> None:
         """Drop in-memory state only (what a server crash does); for drills and tests."""

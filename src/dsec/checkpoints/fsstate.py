@@ -10,6 +10,7 @@ than that many layers.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,10 @@ class FsTracker:
     background: bool = False
     max_chain: int = 60
     squashed: tuple[list[LayerRef], LayerRef] | None = None  # (inputs, full layer), stored, not yet adopted
+    # The sandbox's disk quota: a capture whose files' apparent size exceeds it is refused
+    # before any file is read (a sparse 1 GiB file in a 64 MiB sandbox must not cost 1 GiB
+    # of server memory). None = unbounded (tests, tools).
+    max_bytes: int | None = None
 
     @property
     def fs_digest(self) -> str:
@@ -90,6 +95,10 @@ class FsTracker:
     def capture(self, upper: Path, load_layer: Callable[[LayerRef], bytes]) -> tuple[Capture, Callable[[], None]]:
         """Compute the capture; the returned ``commit`` callable adopts it once durable."""
         sigs = fsdiff.walk_signature(upper)
+        if self.max_bytes is not None:
+            size = apparent_bytes(sigs)
+            if size > self.max_bytes:
+                raise layers.too_large("the sandbox's filesystem", size, self.max_bytes)
         changes = fsdiff.diff_signatures(self.sigs, sigs)
         offered, base = self.squashed, self._base_chain()
 
@@ -136,19 +145,26 @@ class FsTracker:
                    chain=list(chain), manifest_ref=manifest_ref)
 
 
+def apparent_bytes(sigs: dict[str, tuple]) -> int:
+    """Pure: the bytes a capture would read: every regular file at its full length (holes
+    and hard links included: each path is read and stored on its own)."""
+    return sum(sig[3] for sig in sigs.values() if stat.S_ISREG(sig[0]))
+
+
 def _digest(data: bytes) -> str:
     from dsec.blobs import sha256_hex
     return "sha256:" + sha256_hex(data)
 
 
 def materialize(store: BlobStore, chain: list[LayerRef], cache_dir: Path,
-                inline: dict[str, str] | None = None) -> list[Path]:
+                inline: dict[str, str] | None = None, max_bytes: int | None = None) -> list[Path]:
     """Unpack (or reuse) every layer of ``chain``; return lower dirs top-most first.
 
     Each layer is read through the store (digest-verified, replica fail-over) and
     unpacked into ``cache_dir/<hex>`` via a temp dir + rename, so a cached dir is always
     complete. Any unreadable/corrupt part raises, and the caller falls back to an older
-    unit: a partial chain is never mounted.
+    unit: a partial chain is never mounted. ``max_bytes`` (the sandbox's disk quota)
+    bounds each layer's file bytes; holes stay holes on disk.
     """
     cache_dir.mkdir(parents=True, exist_ok=True)
     dirs = []
@@ -157,7 +173,7 @@ def materialize(store: BlobStore, chain: list[LayerRef], cache_dir: Path,
         if not dest.is_dir():
             blob = read_part(store, ref, inline)
             try:
-                layers.unpack_overlay(blob, dest)
+                layers.unpack_overlay(blob, dest, max_bytes)
             except OSError as exc:
                 if dest.is_dir():  # a concurrent restore unpacked the same layer first
                     continue

@@ -48,10 +48,38 @@ def _norm(name: str) -> str:
     return "/".join(parts)
 
 
-def read_layer(blob: bytes) -> dict[str, Node]:
-    """Decode a compressed layer into {path: Node} (paths relative, no leading '/')."""
-    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob), read_across_frames=True).read()
+# Tar framing a layer may add on top of its file bytes (headers, pax records, padding):
+# per entry at most ~3 KiB; a layer bound is ``max_bytes + LAYER_OVERHEAD``.
+LAYER_OVERHEAD = 64 << 20
+
+
+def too_large(what: str, size: int, limit: int) -> errors.PayloadTooLarge:
+    return errors.PayloadTooLarge(
+        f"{what} holds {size} bytes of files (apparent size: a sparse file counts at its full length), above "
+        f"the sandbox's disk quota of {limit} bytes; a checkpoint may hold at most what the sandbox may "
+        "write. Delete or shrink the large files, or use a sandbox with a larger disk", size=size, limit=limit)
+
+
+def _decompress(blob: bytes, max_bytes: int | None) -> bytes:
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob), read_across_frames=True)
+    if max_bytes is None:
+        return reader.read()
+    # Read at most one byte past the bound: a zstd bomb (1 GiB of zeros is ~30 KiB) must
+    # never be inflated in memory.
+    raw = reader.read(max_bytes + LAYER_OVERHEAD + 1)
+    if len(raw) > max_bytes + LAYER_OVERHEAD:
+        raise too_large("the checkpoint layer", len(raw), max_bytes)
+    return raw
+
+
+def read_layer(blob: bytes, max_bytes: int | None = None) -> dict[str, Node]:
+    """Decode a compressed layer into {path: Node} (paths relative, no leading '/').
+
+    ``max_bytes``: refuse (PayloadTooLarge) a layer whose files hold more than this,
+    before inflating more than the bound."""
+    raw = _decompress(blob, max_bytes)
     nodes: dict[str, Node] = {}
+    total = 0
     with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
         for m in tar:
             path = _norm(m.name)
@@ -62,6 +90,9 @@ def read_layer(blob: bytes) -> dict[str, Node]:
                 target = (parent + "/" if parent else "") + base[len(WH_PREFIX):]
                 nodes[target] = Node(info=None, whiteout=True)
             else:
+                total += m.size if m.isreg() else 0
+                if max_bytes is not None and total > max_bytes:
+                    raise too_large("the checkpoint layer", total, max_bytes)
                 data = tar.extractfile(m).read() if m.isreg() else b""
                 prev = nodes.get(path)
                 m.name = path
@@ -70,9 +101,13 @@ def read_layer(blob: bytes) -> dict[str, Node]:
 
 
 def write_layer(nodes: dict[str, Node], level: int = 3) -> bytes:
-    """Encode {path: Node} as a zstd tar; parents always precede children."""
+    """Encode {path: Node} as a zstd tar; parents always precede children.
+
+    The tar is streamed through the compressor: only the compressed layer is held, never
+    a second uncompressed copy of every file."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tar:
+    zw = zstandard.ZstdCompressor(level=level).stream_writer(buf, closefd=False)
+    with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(nodes, key=lambda p: p.split("/")):
             n = nodes[path]
             parent, _, base = path.rpartition("/")
@@ -86,7 +121,8 @@ def write_layer(nodes: dict[str, Node], level: int = 3) -> bytes:
                 tar.addfile(info, io.BytesIO(n.data) if info.isreg() else None)
             if n.opaque:
                 tar.addfile(tarfile.TarInfo((path + "/" if path else "") + OPQ_NAME))
-    return zstandard.ZstdCompressor(level=level).compress(buf.getvalue())
+    zw.close()
+    return buf.getvalue()
 
 
 def _drop_subtree(nodes: dict[str, Node], path: str) -> None:
@@ -136,12 +172,15 @@ def squash(layers: list[bytes], in_image: Callable[[str], bool], level: int = 3)
     return write_layer(merged, level)
 
 
-def unpack_overlay(blob: bytes, dest: Path) -> None:
-    """Unpack a layer into ``dest`` (must not exist) in overlay lower-dir format. Needs root."""
+def unpack_overlay(blob: bytes, dest: Path, max_bytes: int | None = None) -> None:
+    """Unpack a layer into ``dest`` (must not exist) in overlay lower-dir format. Needs root.
+
+    ``max_bytes`` bounds the layer's file bytes (see ``read_layer``); runs of zeros are
+    written as holes, so a sparse file stays sparse on disk."""
     tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir(parents=True)
     try:
-        nodes = read_layer(blob)
+        nodes = read_layer(blob, max_bytes)
         dirs: list[tuple[Path, tarfile.TarInfo]] = []
         for path in sorted(nodes, key=lambda p: p.split("/")):
             n = nodes[path]
@@ -170,13 +209,29 @@ def unpack_overlay(blob: bytes, dest: Path) -> None:
         raise
 
 
+_BLOCK = 64 * 1024
+_ZERO = bytes(_BLOCK)
+
+
+def write_sparse(fh: io.BufferedWriter, data: bytes) -> None:
+    """Write ``data`` leaving every all-zero 64 KiB block as a hole (the file reads the same)."""
+    view = memoryview(data)
+    for off in range(0, len(data), _BLOCK):
+        chunk = view[off:off + _BLOCK]
+        if chunk == _ZERO[:len(chunk)]:
+            fh.seek(len(chunk), os.SEEK_CUR)
+        else:
+            fh.write(chunk)
+    fh.truncate(len(data))  # a trailing hole still counts in the length
+
+
 def _make(target: Path, info: tarfile.TarInfo, data: bytes, root: Path) -> None:
     if info.isdir():
         target.mkdir(exist_ok=True)
         return
     if info.isreg():
         with open(target, "wb") as fh:
-            fh.write(data)
+            write_sparse(fh, data)
     elif info.issym():
         os.symlink(info.linkname, target)
     elif info.islnk():

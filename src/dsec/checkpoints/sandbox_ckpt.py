@@ -8,11 +8,19 @@ embeds its digest) — and restored with ``complete_units`` + ``FsTracker.restor
 ``materialize`` (every part digest-verified) and a node create with the checkpoint
 layers as extra read-only lowers.
 
-Layout: the unit of checkpoint ``ck-<hex>`` of tenant ``T`` is the single unit of the
-pseudo-episode ``sbckpt.T.<hex>``. Tenant names cannot contain a dot and episode keys
-are ``<tenant>--<id>``, so no episode can collide with it; and a lookup is always under
-the caller's own tenant, so another tenant's checkpoint id is simply not found. Because
+Layout: the unit of checkpoint ``ck-<hex>`` of tenant key ``T`` is the single unit of the
+pseudo-episode ``sbckpt.T.<hex>`` (``dsec.state.keys.sandbox_checkpoint_episode``). The
+API's tenant key is the tenant's immutable uid, so a tenant re-created under the same
+name sees none of its predecessor's checkpoints; the scheduler's preemption checkpoints
+use its tenant name (internal, never listed). Neither key contains a dot and episode keys
+start with a uid then ``--``, so no episode can collide with it; and a lookup is always
+under the caller's own key, so another tenant's checkpoint id is simply not found. Because
 the units live under ``episodes/``, ``collect_garbage`` sees their parts as referenced.
+
+Bounds (issue 18 #3): a capture whose files' apparent size (sparse files at full length)
+exceeds the sandbox's disk quota is refused before anything is read; a restore unpacks at
+most the checkpointed sandbox's disk quota per layer, writes zero runs as holes, and its
+unpacked layers (``LayerCache``) are deleted once no mounted sandbox uses them.
 
 A sandbox keeps one ``FsTracker`` in memory, so its second checkpoint stores only what
 changed since the first (the chain is squashed every ``checkpoint_full_every``). A
@@ -38,7 +46,8 @@ from dsec import errors
 from dsec.api.schemas import CheckpointInfo
 from dsec.blobs import BlobStore
 from dsec.checkpoints.fsdiff import image_lookup
-from dsec.checkpoints.fsstate import FsTracker, materialize
+from dsec.checkpoints.fsstate import FsTracker
+from dsec.checkpoints.layer_cache import LayerCache, disk_quota
 from dsec.checkpoints.nodehost import NodeEpisodeHost
 from dsec.checkpoints.unit import (
     LayerRef,
@@ -52,6 +61,7 @@ from dsec.checkpoints.unit import (
 )
 from dsec.config import Settings
 from dsec.models import SandboxInfo, SandboxSpec
+from dsec.state.keys import sandbox_checkpoint_episode, sandbox_checkpoint_prefix
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +71,7 @@ _LIVE_STATES = ("idle", "running", "ready")
 
 
 def _episode_id(tenant: str, checkpoint_id: str) -> str:
-    return f"sbckpt.{tenant}.{checkpoint_id.removeprefix('ck-')}"
+    return sandbox_checkpoint_episode(tenant, checkpoint_id.removeprefix("ck-"))
 
 
 def _unknown(checkpoint_id: str) -> errors.NotFound:
@@ -98,6 +108,7 @@ class SandboxCheckpoints:
         self.settings, self.store, self.node = settings, store, node
         self.host = NodeEpisodeHost(node)  # image view, upper dir, freeze/thaw: the engine's own hooks
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
+        self.layers = LayerCache.at(self.cache_dir, settings.checkpoint_layer_gc_grace_s)
         self._tracked: dict[str, _Tracked] = {}
 
     # --- checkpoint ----------------------------------------------------------------
@@ -106,6 +117,7 @@ class SandboxCheckpoints:
         spec = rec.spec.model_copy(update={"request_id": None})
         view = await self.host.image_view(spec)
         tracked = await self._tracker(sandbox_id, view.lower_dirs)
+        tracked.tracker.max_bytes = disk_quota(spec, self.settings)
         async with tracked.lock:
             upper = self.host.upper_dir(sandbox_id)
             await self.host.freeze(sandbox_id)  # no process may change files mid-walk
@@ -212,26 +224,37 @@ class SandboxCheckpoints:
                                           self.settings.checkpoint_zstd_level, meta.inline)
         if tracker.fs_digest != meta.fs_digest:
             raise errors.DigestMismatch(f"checkpoint {checkpoint_id}: manifest does not match its metadata")
-        lowers = await asyncio.to_thread(materialize, self.store, meta.fs_chain, self.cache_dir, meta.inline)
+        lowers = await asyncio.to_thread(self.layers.materialize, self.store, meta.fs_chain, meta.inline,
+                                         disk_quota(spec, self.settings))
+        pinned = [lowers]  # unpinned once: after the create (mounted or failed) or by release()
+
+        def release() -> None:
+            if pinned:
+                self.layers.unpin(pinned.pop())
 
         async def create(spec: SandboxSpec, sandbox_id: str, owner: str) -> SandboxInfo:
             body = json.dumps({"tenant": tenant, "checkpoint_id": checkpoint_id}).encode()
-            await asyncio.to_thread(self.store.put, _BASES + sandbox_id, body)
             try:
-                info = await self.node.create(spec, sandbox_id=sandbox_id, tenant=owner, extra_lower_dirs=lowers)
-            except BaseException:
-                await asyncio.to_thread(self.store.delete, _BASES + sandbox_id)
-                raise
+                await asyncio.to_thread(self.store.put, _BASES + sandbox_id, body)
+                try:
+                    info = await self.node.create(spec, sandbox_id=sandbox_id, tenant=owner,
+                                                  extra_lower_dirs=lowers)
+                except BaseException:
+                    await asyncio.to_thread(self.store.delete, _BASES + sandbox_id)
+                    raise
+            finally:
+                release()
             self._tracked[info.id] = _Tracked(tracker, checkpoint_id)
             return info
 
+        create.release = release  # type: ignore[attr-defined]  # a create that never ran (429)
         return spec, create
 
     # --- list / delete -------------------------------------------------------------
     async def list(self, tenant: str, sandbox_id: str | None = None) -> list[CheckpointInfo]:
         def scan() -> list[CheckpointInfo]:
             out = []
-            for key in self.store.list(f"episodes/sbckpt.{tenant}."):
+            for key in self.store.list(sandbox_checkpoint_prefix(tenant)):
                 if "/units/" not in key:
                     continue
                 meta = load_meta(self.store, key)
@@ -248,11 +271,21 @@ class SandboxCheckpoints:
         ep = _episode_id(tenant, checkpoint_id)
         for _, key in await asyncio.to_thread(list_unit_keys, self.store, ep):
             await asyncio.to_thread(self.store.delete, key)
+        await self.layers.gc()
+
+    async def purge(self, tenant: str) -> int:
+        """Delete every checkpoint of ``tenant`` (a removed tenant's uid); returns how many."""
+        keys = await asyncio.to_thread(self.store.list, sandbox_checkpoint_prefix(tenant))
+        for key in keys:
+            await asyncio.to_thread(self.store.delete, key)
+        await self.layers.gc()
+        return sum(1 for k in keys if "/units/" in k)
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
-        """Drop a killed sandbox's base record and tracker."""
+        """Drop a killed sandbox's base record and tracker; sweep layers it no longer mounts."""
         self._tracked.pop(sandbox_id, None)
         try:
             await asyncio.to_thread(self.store.delete, _BASES + sandbox_id)
         except errors.NotFound:
             pass
+        await self.layers.gc()

@@ -20,6 +20,18 @@ def _store():
     return open_checkpoint_store(get_settings())
 
 
+def _episode_key(tenant: str, episode_id: str) -> str:
+    """The store key of ``tenant``'s episode: keyed by the tenant's uid (read from the state DB)."""
+    from dsec.config import get_settings
+    from dsec.errors import NotFound
+    from dsec.state import SqliteStateStore
+    from dsec.state.keys import episode_key
+    rec = SqliteStateStore(get_settings().home / "state.db").get_tenant(tenant)
+    if rec is None:
+        raise NotFound(f"tenant {tenant!r} not found in this DSEC_HOME's state; list tenants with `dsec tenant ls`")
+    return episode_key(rec.uid, episode_id)
+
+
 @app.command("export")
 @handle_errors
 def export(episode_id: str = typer.Argument(..., help="Episode id"),
@@ -30,7 +42,7 @@ def export(episode_id: str = typer.Argument(..., help="Episode id"),
     """Write the episode's trajectory (zstd-compressed JSONL; `--jsonl` for plain)."""
     if tenant:
         from dsec.checkpoints.engine import EpisodeEngine
-        data = EpisodeEngine.export_from(_store(), f"{tenant}--{episode_id}")
+        data = EpisodeEngine.export_from(_store(), _episode_key(tenant, episode_id))
     else:
         from dsec.checkpoints.models import EpisodeInfo
         from dsec.sdk.episode import Episode
@@ -50,7 +62,7 @@ def export(episode_id: str = typer.Argument(..., help="Episode id"),
 
 @app.command("show")
 @handle_errors
-def show(episode_id: str = typer.Argument(..., help="Episode id as stored (<tenant>--<id>)")) -> None:
+def show(episode_id: str = typer.Argument(..., help="Episode id as stored (<tenant uid>--<id>; see `dsec episode ls`)")) -> None:
     """List the checkpoint units of an episode and whether each is complete."""
     from dsec.checkpoints.unit import list_unit_keys, load_meta, parts_present
     store = _store()

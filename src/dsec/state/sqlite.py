@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from dsec.state.keys import new_tenant_uid
 from dsec.state.store import AuditRecord, IdempotencyRecord, TenantRecord
 
 _SCHEMA = """
@@ -44,6 +45,30 @@ class SqliteStateStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(_SCHEMA)
+            self._migrate_tenant_uids()
+
+    def _migrate_tenant_uids(self) -> None:
+        """Give every tenant written before uids existed one, and move the rows it owns
+        (idempotency keys, sandbox ownership, hence its audit) from its name to the uid,
+        in one transaction. Rows of a name with no tenant record (a tenant deleted before
+        this upgrade) stay under the name: no uid ever equals a name, so they are orphaned.
+        Episodes and checkpoints in the blob store are NOT moved (docs/security.md)."""
+        def legacy() -> list[TenantRecord]:
+            recs = [TenantRecord.model_validate_json(b) for (b,) in self._db.execute("SELECT body FROM tenants")]
+            return [r for r in recs if not r.uid]
+        if not legacy():
+            return
+        self._db.execute("BEGIN IMMEDIATE")  # re-read under the write lock: another process may migrate too
+        try:
+            for rec in legacy():
+                rec.uid = new_tenant_uid()
+                self._db.execute("UPDATE tenants SET body=? WHERE name=?", (rec.model_dump_json(), rec.name))
+                self._db.execute("UPDATE idempotency SET tenant=? WHERE tenant=?", (rec.uid, rec.name))
+                self._db.execute("UPDATE sandboxes SET tenant=? WHERE tenant=?", (rec.uid, rec.name))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:
@@ -55,6 +80,8 @@ class SqliteStateStore:
 
     # --- tenants -----------------------------------------------------------------
     def put_tenant(self, rec: TenantRecord) -> None:
+        if not rec.uid:
+            rec.uid = new_tenant_uid()  # assigned once; the stored body keeps it for good
         self._q("INSERT OR REPLACE INTO tenants(name, token_hash, body) VALUES (?,?,?)",
                 (rec.name, rec.token_hash, rec.model_dump_json()))
 
@@ -72,6 +99,10 @@ class SqliteStateStore:
     def delete_tenant(self, name: str) -> bool:
         with self._lock:
             return self._db.execute("DELETE FROM tenants WHERE name=?", (name,)).rowcount > 0
+
+    def purge_tenant(self, uid: str) -> int:
+        with self._lock:
+            return self._db.execute("DELETE FROM idempotency WHERE tenant=?", (uid,)).rowcount
 
     # --- idempotency ---------------------------------------------------------------
     def idem_reserve(self, rec: IdempotencyRecord) -> IdempotencyRecord:

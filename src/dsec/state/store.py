@@ -14,6 +14,10 @@ from pydantic import BaseModel, Field
 
 class TenantRecord(BaseModel):
     name: str
+    uid: str = Field("", description="Immutable internal id (dsec.state.keys.new_tenant_uid), assigned at "
+                     "creation; every tenant-scoped datum is keyed by it, so a tenant re-created under the "
+                     "same name starts empty. Empty only in a record written before uids existed "
+                     "(SqliteStateStore assigns one when it opens the store)")
     token_hash: str = Field(..., description="sha256 hex of the token; the token itself is never stored")
     admin: bool = False
     max_sandboxes: int | None = Field(None, description="Max concurrent sandboxes (None = node limit)")
@@ -24,7 +28,7 @@ class TenantRecord(BaseModel):
 
 
 class IdempotencyRecord(BaseModel):
-    tenant: str
+    tenant: str = Field(..., description="The tenant's uid (not its name)")
     request_id: str
     sandbox_id: str
     done: bool = False
@@ -50,6 +54,10 @@ class StateStore(Protocol):
     def tenant_by_token_hash(self, token_hash: str) -> TenantRecord | None: ...
     def list_tenants(self) -> list[TenantRecord]: ...
     def delete_tenant(self, name: str) -> bool: ...
+    def purge_tenant(self, uid: str) -> int:
+        """Delete what the tenant ``uid`` left in the store that a request could reach
+        (idempotency keys); its sandboxes' audit stays orphaned (owned by a uid no tenant
+        has) until the retention prune. Returns the rows deleted."""
 
     # idempotent create
     def idem_reserve(self, rec: IdempotencyRecord) -> IdempotencyRecord:
@@ -58,7 +66,7 @@ class StateStore(Protocol):
     def idem_complete(self, tenant: str, request_id: str, info: dict[str, Any]) -> None: ...
     def idem_delete(self, tenant: str, request_id: str) -> None: ...
 
-    # sandbox ownership (kept after death so audit stays reachable)
+    # sandbox ownership (kept after death so audit stays reachable); the owner is the tenant's uid
     def record_sandbox(self, sandbox_id: str, tenant: str, created_at: float) -> None: ...
     def sandbox_owner(self, sandbox_id: str) -> str | None: ...
     def mark_dead(self, sandbox_ids: list[str], ts: float) -> None: ...
