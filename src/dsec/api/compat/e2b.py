@@ -323,6 +323,7 @@ class EnvdService:
         stream = _STREAMS.get(method)
         unary = _UNARY.get(method)
         sid = ""
+        in_stream = False  # errors before the body is read answer with an HTTP status, even for streams
         try:
             tenant, sid = self.authenticate(request)
             ctype = request.headers.get("content-type", "").split(";")[0].strip()
@@ -334,6 +335,7 @@ class EnvdService:
             if stream is None and unary is None:
                 raise _Unimplemented(f"{method} is not supported by DSec's envd")
             body = await read_body_limited(request, w.MAX_RPC_BODY)
+            in_stream = stream is not None
             if stream is not None:
                 msgs = w.parse_envelopes(body)
                 if len(msgs) != 1:
@@ -342,9 +344,9 @@ class EnvdService:
             assert unary is not None
             out = await unary(self, tenant, sid, body)
         except _Unimplemented as e:
-            return self._connect_error("unimplemented", str(e), stream is not None)
+            return self._connect_error("unimplemented", str(e), in_stream)
         except DSecError as e:
-            return self._connect_error(*w.connect_error(e, sid), streaming=stream is not None)
+            return self._connect_error(*w.connect_error(e, sid), streaming=in_stream)
         return Response(json.dumps(out, separators=(",", ":")), media_type="application/json")
 
     @staticmethod
