@@ -85,6 +85,8 @@ class Settings(BaseSettings):
                                         "if still running: long commands never block others")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
+    doctor_min_free_disk: str = Field("5G", description="`dsec doctor`/serve warn below this free space under HOME")
+    doctor_min_nofile: int = Field(16384, description="`dsec doctor`/serve warn below this open-file hard limit")
 
     # --- sandbox defaults (SPEC §1) ----------------------------------------------
     default_cpu: float = Field(1.0, description="CPU cap (cgroup limit) per sandbox")

@@ -1,4 +1,6 @@
-"""Shared CLI helpers: the SDK client, error display, JSON output, human formatting."""
+"""Shared CLI helpers: the SDK client, error display with the next step, JSON output, formatting.
+
+Imported by every command: keep it light (no pydantic, no SDK at import time)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from pydantic import BaseModel
 from rich.console import Console
 
-from dsec.errors import DSecError
+from dsec.errors import DSecError, NotFound, TransientError, Unauthorized
 
 F = TypeVar("F", bound=Callable[..., Any])
 out = Console()
@@ -28,6 +29,53 @@ def client() -> Any:
     return Client()
 
 
+def wire() -> Any:
+    """The CLI's light HTTP client for its hot commands (``dsec.cli.wire``)."""
+    from dsec.cli.wire import Wire
+
+    return Wire()
+
+
+SERVE_HINT = ("start it in another shell: `dsec serve` (as root; `sudo .venv/bin/dsec serve` for a non-root "
+              "user), or point DSEC_URL at a running server; `dsec doctor` checks this host")
+
+
+def next_step(e: DSecError) -> str | None:
+    """The command a user runs next after a first-hour error, or None when the message says it all."""
+    from dsec.cli.wire import ServerUnreachable, resolve_target
+
+    sdk_unreachable = isinstance(e, TransientError) and e.message.startswith("cannot connect")  # the SDK's words
+    if isinstance(e, ServerUnreachable) or sdk_unreachable:
+        return f"no server is running there: {SERVE_HINT}"
+    if isinstance(e, Unauthorized):
+        t = resolve_target()
+        if t.token_source == "none":
+            return (f"no token: set DSEC_TOKEN, or run on the server's machine with DSEC_HOME pointing at its data "
+                    f"dir ({t.home}/token is read when DSEC_TOKEN is unset)")
+        return (f"the token from {t.token_source} is not valid for {t.url}: for the local server unset DSEC_TOKEN "
+                f"(the CLI then reads {t.home}/token); for another server ask its admin for one "
+                "(`dsec tenant add NAME` prints a new token)")
+    image = e.details.get("image") if isinstance(e, NotFound) else None
+    if isinstance(image, str):
+        from dsec.images.stock import STOCK  # the error path only: this import is not free
+
+        name, _, tag = image.partition(":")
+        if name in STOCK and tag in ("", "latest"):
+            return (f"the stock image {name!r} is not built yet on the server's machine: run "
+                    f"`dsec image ensure-stock --only {name}` there as root (`scripts/setup.sh` builds both)")
+        return (f"no image {image!r}: `dsec image ls` lists this node's images; stock ones are "
+                f"{', '.join(STOCK)}; add one with `dsec image import PATH` or `dsec image build`")
+    return None
+
+
+def report_error(e: DSecError) -> None:
+    """One line naming the problem, then (when known) the next command to run."""
+    err.print(f"[red]error[/red] ({e.code}): {e.message}", highlight=False)
+    hint = next_step(e)
+    if hint:
+        err.print(f"[yellow]next[/yellow]: {hint}", highlight=False)
+
+
 def handle_errors(fn: F) -> F:
     """Print ``dsec.errors`` as one actionable line and exit non-zero (no tracebacks)."""
 
@@ -36,14 +84,14 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*a, **kw)
         except DSecError as e:
-            err.print(f"[red]error[/red] ({e.code}): {e.message}")
+            report_error(e)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
 
 
 def to_jsonable(obj: Any) -> Any:
-    if isinstance(obj, BaseModel):
+    if hasattr(obj, "model_dump"):  # a pydantic model (pydantic is not imported here: CLI start-up)
         return obj.model_dump(mode="json")
     if isinstance(obj, list):
         return [to_jsonable(o) for o in obj]

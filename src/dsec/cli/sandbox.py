@@ -1,4 +1,8 @@
-"""Sandbox commands: ``run``, ``exec``, ``ps``, ``kill``, ``logs``."""
+"""Sandbox commands: ``run``, ``exec``, ``ps``, ``kill``, ``logs``, ``network``.
+
+They talk to the API over ``dsec.cli.wire`` (standard library only) so that they answer at
+once; answers are the API's JSON (the fields of ``dsec.models.SandboxInfo`` etc.).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,11 @@ import sys
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from dsec.cli.common import client, err, handle_errors, human_age, human_bytes, out, parse_labels, print_json
+from dsec.cli.common import err, handle_errors, human_age, human_bytes, out, parse_labels, print_json, wire
 
 LabelOpt = typer.Option(None, "--label", "-l", help="key=value (repeatable)")
+_SB = "/v1/sandboxes"
 
 
 def _cmd(argv: list[str]) -> str | list[str]:
@@ -24,26 +28,40 @@ def _cmd(argv: list[str]) -> str | list[str]:
     return argv[0] if len(argv) == 1 else argv
 
 
-def _stream(c: Any, sandbox_id: str, argv: list[str], timeout: float | None, as_json: bool) -> int:
-    from dsec.models import ExecRequest
+def _stream(w: Any, sandbox_id: str, argv: list[str], timeout: float | None, as_json: bool) -> int:
+    from dsec.cli.wire import sid
 
-    req = ExecRequest(cmd=_cmd(argv), timeout=timeout)
+    req: dict[str, Any] = {"cmd": _cmd(argv)}
+    if timeout is not None:
+        req["timeout"] = timeout
+    http_timeout = (timeout or 0) + w.target.timeout_s  # the HTTP wait outlasts the command's own timeout
     if as_json:
-        res = c.exec(sandbox_id, req)
-        print_json({"sandbox_id": sandbox_id, **res.model_dump(mode="json")})
-        return res.exit_code
-    for ev in c.exec_stream(sandbox_id, req):
-        if ev.kind == "stdout":
-            sys.stdout.write(ev.data)
+        res = w.call("POST", f"{_SB}/{sid(sandbox_id)}/exec", req, timeout=http_timeout)
+        print_json({"sandbox_id": sandbox_id, **res})
+        return int(res["exit_code"])
+    for ev in w.lines("POST", f"{_SB}/{sid(sandbox_id)}/exec/stream", req, timeout=http_timeout):
+        kind = ev.get("kind")
+        if kind == "stdout":
+            sys.stdout.write(ev.get("data", ""))
             sys.stdout.flush()
-        elif ev.kind == "stderr":
-            sys.stderr.write(ev.data)
+        elif kind == "stderr":
+            sys.stderr.write(ev.get("data", ""))
             sys.stderr.flush()
-        elif ev.result is not None:
-            if ev.result.timed_out:
-                err.print(f"[yellow]command timed out after {ev.result.duration:.1f}s[/yellow]")
-            return ev.result.exit_code
+        elif ev.get("result") is not None:
+            result = ev["result"]
+            if result.get("timed_out"):
+                err.print(f"[yellow]command timed out after {result.get('duration', 0):.1f}s[/yellow]")
+            return int(result["exit_code"])
     return 1
+
+
+def _table(*cols: str) -> Any:
+    from rich.table import Table
+
+    t = Table(box=None, header_style="bold")
+    for col in cols:
+        t.add_column(col)
+    return t
 
 
 def register(app: typer.Typer) -> None:
@@ -61,23 +79,22 @@ def register(app: typer.Typer) -> None:
             keep: bool = typer.Option(False, "--keep", help="Keep the sandbox after the command"),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output")) -> None:
         """Create a sandbox from IMAGE, run CMD in it, print output, then kill it (unless --keep)."""
-        from dsec.sdk._sandbox import build_spec
-
-        c = client()
-        spec = build_spec(image=image, cpu=cpu, memory=memory, timeout=timeout, isolation=isolation,
-                          network=network, labels=parse_labels(label))
-        if err.is_terminal and not as_json:
-            with err.status(f"creating a {image} sandbox (a cold image is unpacked on first use)"):
-                info = c.create(spec)
-        else:
-            info = c.create(spec)
-        if not as_json:
-            err.print(f"[dim]sandbox {info.id} ({info.image}, {info.isolation})[/dim]")
-        try:
-            code = _stream(c, info.id, cmd, exec_timeout, as_json)
-        finally:
-            if not keep:
-                c.kill(info.id)
+        spec = {k: v for k, v in {"image": image, "cpu": cpu, "memory": memory, "timeout": timeout,
+                                  "isolation": isolation, "network": network,
+                                  "labels": parse_labels(label)}.items() if v is not None}
+        with wire() as w:
+            if err.is_terminal and not as_json:
+                with err.status(f"creating a {image} sandbox (a cold image is unpacked on first use)"):
+                    info = w.create(spec)
+            else:
+                info = w.create(spec)
+            if not as_json:
+                err.print(f"[dim]sandbox {info['id']} ({info['image']}, {info['isolation']})[/dim]")
+            try:
+                code = _stream(w, info["id"], cmd, exec_timeout, as_json)
+            finally:
+                if not keep:
+                    w.kill(info["id"])
         raise typer.Exit(code)
 
     @app.command("exec")
@@ -86,7 +103,9 @@ def register(app: typer.Typer) -> None:
               timeout: float | None = typer.Option(None, help="Command timeout (s)"),
               as_json: bool = typer.Option(False, "--json")) -> None:
         """Run CMD in a running sandbox, streaming its output; exits with its exit code."""
-        raise typer.Exit(_stream(client(), sandbox_id, cmd, timeout, as_json))
+        with wire() as w:
+            code = _stream(w, sandbox_id, cmd, timeout, as_json)
+        raise typer.Exit(code)
 
     @app.command()
     @handle_errors
@@ -98,29 +117,33 @@ def register(app: typer.Typer) -> None:
         """Show a sandbox's egress allow-list, or replace it live (--allow ... / --deny-all)."""
         if allow and deny_all:
             raise typer.BadParameter("give --allow entries or --deny-all, not both")
-        c = client()
-        info = c.update_network(sandbox_id, [] if deny_all else allow) if (allow or deny_all) else c.get(sandbox_id)
+        from dsec.cli.wire import sid
+
+        with wire() as w:
+            path = f"{_SB}/{sid(sandbox_id)}"
+            info = (w.call("PUT", f"{path}/network", {"allow": [] if deny_all else list(allow or [])})
+                    if (allow or deny_all) else w.call("GET", path))
         if as_json:
-            print_json({"id": info.id, "network": info.network})
-        elif info.network is None:
-            out.print(f"{info.id}: no network (created with network=None; only its own loopback)")
+            print_json({"id": info["id"], "network": info["network"]})
+        elif info["network"] is None:
+            out.print(f"{info['id']}: no network (created with network=None; only its own loopback)")
         else:
-            out.print(f"{info.id}: " + (", ".join(info.network) if info.network else "nothing allowed"))
+            out.print(f"{info['id']}: " + (", ".join(info["network"]) if info["network"] else "nothing allowed"))
 
     @app.command()
     @handle_errors
     def ps(label: list[str] | None = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
         """List your sandboxes (state, image, age, labels, cpu/mem limits)."""
-        infos = client().list(parse_labels(label))
+        with wire() as w:
+            infos = w.call("GET", _SB, params=[("label", f"{k}={v}") for k, v in parse_labels(label).items()])
         if as_json:
             print_json(infos)
             return
-        t = Table(box=None, header_style="bold")
-        for col in ("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "LABELS"):
-            t.add_column(col)
-        for i in sorted(infos, key=lambda x: x.created_at):
-            t.add_row(i.id, i.state.value, i.image, human_age(i.created_at), f"{i.cpu:g}", human_bytes(i.memory),
-                      i.isolation, ",".join(f"{k}={v}" for k, v in sorted(i.labels.items())))
+        t = _table("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "LABELS")
+        for i in sorted(infos, key=lambda x: x["created_at"]):
+            t.add_row(i["id"], i["state"], i["image"], human_age(i["created_at"]), f"{i['cpu']:g}",
+                      human_bytes(i["memory"]), i["isolation"],
+                      ",".join(f"{k}={v}" for k, v in sorted((i.get("labels") or {}).items())))
         out.print(t)
         err.print(f"[dim]{len(infos)} sandbox(es)[/dim]")
 
@@ -129,15 +152,15 @@ def register(app: typer.Typer) -> None:
     def kill(sandbox_ids: list[str] | None = typer.Argument(None),
              label: list[str] | None = LabelOpt, as_json: bool = typer.Option(False, "--json")) -> None:
         """Kill sandboxes by id, or all of yours matching --label k=v."""
-        c = client()
-        killed: list[str] = []
-        for sid in sandbox_ids or []:
-            c.kill(sid)
-            killed.append(sid)
-        if label:
-            killed += c.kill_by_labels(parse_labels(label))
         if not sandbox_ids and not label:
             raise typer.BadParameter("give sandbox ids or --label k=v")
+        killed: list[str] = []
+        with wire() as w:
+            for one in sandbox_ids or []:
+                w.kill(one)
+                killed.append(one)
+            if label:
+                killed += w.call("POST", f"{_SB}/kill", {"labels": parse_labels(label)})["killed"]
         if as_json:
             print_json({"killed": killed})
         else:
@@ -149,23 +172,24 @@ def register(app: typer.Typer) -> None:
     def logs(sandbox_id: str, limit: int = typer.Option(1000, help="Max records"),
              as_json: bool = typer.Option(False, "--json")) -> None:
         """Audit log of a sandbox: commands (argv, exit, duration), files written (kept after death)."""
-        entries = client().audit(sandbox_id, limit)
+        from dsec.cli.wire import sid
+
+        with wire() as w:
+            entries = w.call("GET", f"{_SB}/{sid(sandbox_id)}/audit", params=[("limit", str(limit))])
         if as_json:
             print_json(entries)
             return
-        t = Table(box=None, header_style="bold")
-        for col in ("TIME", "EVENT", "DETAIL"):
-            t.add_column(col)
+        t = _table("TIME", "EVENT", "DETAIL")
         for e in entries:
-            d = e.data
-            if e.kind == "exec":
+            d, kind = e.get("data") or {}, e["kind"]
+            if kind == "exec":
                 argv = d.get("argv") or []
                 cmd = argv[2] if argv[:2] == ["/bin/sh", "-c"] and len(argv) > 2 else shlex.join(argv)
                 detail = f"{cmd}  → exit {d.get('exit_code')} in {d.get('duration', 0):.3f}s" + (
                     " (timed out)" if d.get("timed_out") else "")
-            elif e.kind in ("file_write", "upload"):
+            elif kind in ("file_write", "upload"):
                 detail = f"{d.get('path')} ({d.get('size')} bytes)"
             else:
                 detail = ", ".join(f"{k}={v}" for k, v in d.items() if v not in (None, {}, []))
-            t.add_row(dt.datetime.fromtimestamp(e.ts).strftime("%H:%M:%S.%f")[:-3], e.kind, detail)
+            t.add_row(dt.datetime.fromtimestamp(e["ts"]).strftime("%H:%M:%S.%f")[:-3], kind, detail)
         out.print(t)

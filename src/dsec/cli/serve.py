@@ -17,11 +17,31 @@ def register(app: typer.Typer) -> None:
               port: int | None = typer.Option(None, "--port", help="Port (default Settings.port; 0 = any)"),
               home: Path | None = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
               log_level: str = typer.Option("info", "--log-level")) -> None:
-        """Run the DSec server (state under DSEC_HOME; Ctrl-C shuts down gracefully)."""
-        from dsec.api.server import serve as run
+        """Run the DSec server (state under DSEC_HOME; Ctrl-C shuts down gracefully).
+
+        Checks the host first (the `dsec doctor` checks) and refuses to start with the
+        problem and the command that fixes it, instead of a traceback later."""
+        from dsec.cli.doctor import serve_preflight
 
         over: dict[str, object] = {}
         if home is not None:
             over["home"] = home
         settings = load_settings(**over)
-        run(settings, host or settings.host, settings.port if port is None else port, log_level)
+        bind_host, bind_port = host or settings.host, settings.port if port is None else port
+        _raise_nofile()
+        serve_preflight(settings, bind_host, bind_port, echo=lambda m: typer.echo(m, err=True))
+        from dsec.api.server import serve as run
+
+        run(settings, bind_host, bind_port, log_level)
+
+
+def _raise_nofile() -> None:
+    """A server holds sockets and files per sandbox: use the whole hard open-file limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # the doctor check reports the limit
