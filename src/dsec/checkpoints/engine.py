@@ -343,6 +343,11 @@ class EpisodeEngine:
         try:
             cap, adopt = await asyncio.to_thread(
                 live.tracker.capture, upper, lambda ref: read_part(self.store, ref, live.inline))
+        except BaseException:
+            # Nothing was logged (e.g. the files exceed the disk quota, 413): the sandbox may
+            # be ahead of the log, so the next step starts from the last unit again.
+            live.dirty = True
+            raise
         finally:
             await self.host.thaw(live.sandbox_id)
         parts: list[tuple[str, bytes]] = [("fs", b) for b in cap.new_parts]
