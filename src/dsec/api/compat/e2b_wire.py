@@ -146,9 +146,10 @@ def envd_token_tenant(token: str) -> str | None:
         return None
     name = token[len("dsec_envd_"):].rpartition(".")[0]
     try:
-        return base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
+        decoded = base64.b64decode(name + "=" * (-len(name) % 4), altchars=b"-_", validate=True).decode()
     except (ValueError, UnicodeDecodeError):
         return None
+    return decoded or None
 
 
 def envd_token_valid(token: str, tenant_name: str, tenant_token_hash: str, sandbox_id: str) -> bool:
