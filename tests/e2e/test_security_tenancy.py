@@ -115,7 +115,7 @@ def test_recreated_tenant_inherits_nothing(server: Server, admin: httpx.Client) 
             ck = old.post(f"/v1/sandboxes/{sid}/checkpoints")
             assert ck.status_code == 201, ck.text
             ck_id = ck.json()["id"]
-            assert old.get(f"/v1/requests/rq-reborn-1").status_code == 200
+            assert old.get("/v1/requests/rq-reborn-1").status_code == 200
             ep = _open(old, "ep-reborn")
             assert _step(old, "ep-reborn", ep["epoch"], 0, "echo old-episode-step").status_code == 200
             assert "topsecret-argv" in old.get(f"/v1/sandboxes/{sid}/audit").text
@@ -131,7 +131,7 @@ def test_recreated_tenant_inherits_nothing(server: Server, admin: httpx.Client) 
             assert r.status_code == 404, r.text
             r = new.get(f"/v1/sandboxes/{sid}/audit")
             assert r.status_code == 404 and "topsecret" not in r.text
-            assert new.get(f"/v1/requests/rq-reborn-1").status_code == 404
+            assert new.get("/v1/requests/rq-reborn-1").status_code == 404
             assert new.get(f"/v1/sandboxes/{sid}").status_code == 404
             # The same request id creates a NEW sandbox (not a replay of the old one's answer).
             r = new.post("/v1/sandboxes", json={**SPEC, "request_id": "rq-reborn-1"})

@@ -35,8 +35,8 @@ from dsec.checkpoints import trajectory as traj
 from dsec.checkpoints.episode_sandboxes import SandboxBook
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker
-from dsec.checkpoints.layer_cache import LayerCache, disk_quota
 from dsec.checkpoints.host import EpisodeHost, ImageView
+from dsec.checkpoints.layer_cache import LayerCache, disk_quota
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.checkpoints.squasher import BackgroundSquasher
 from dsec.checkpoints.unit import (

@@ -159,6 +159,6 @@ class LayerCache:
     async def gc(self) -> int:
         try:
             return await asyncio.to_thread(self.gc_now)
-        except Exception:  # noqa: BLE001 - a failed sweep only delays the cleanup
+        except Exception:
             log.exception("checkpoint layer cache sweep of %s failed", self.root)
             return 0
