@@ -5,6 +5,7 @@ and ``E2B_API_KEY`` = a DSec tenant token, exactly as a user would."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import statistics
@@ -67,6 +68,12 @@ def tenant_b(server: Server) -> Iterator[str]:
         server.cli("tenant", "rm", "e2b-b")
 
 
+def _metric(server: Server, line_prefix: str) -> float:
+    """Sum of the Prometheus samples whose line starts with ``line_prefix``."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(line_prefix))
+
+
 def _audit_kinds(server: Server, sid: str) -> list[str]:
     r = httpx.get(f"{server.url}/v1/sandboxes/{sid}/audit", headers={"authorization": f"Bearer {server.token}"})
     r.raise_for_status()
@@ -85,6 +92,8 @@ def test_sync_sdk_lifecycle_commands_and_files(server: Server, env: dict[str, st
     """Sync SDK: create/connect/list/set_timeout/is_running/kill, foreground, streamed,
     background and timed-out commands, and every file call, on a real sandbox; tenancy's
     audit log records what the SDK did."""
+    ok_before = _metric(server, 'dsec_execs_total{result="ok"}')
+    nonzero_before = _metric(server, 'dsec_execs_total{result="nonzero"}')
     sb = Sandbox.create(template=IMAGE, timeout=120, metadata={"run": "e2b-sync"}, envs={"FROM_CREATE": "c1"})
     try:
         assert sb.is_running()
@@ -148,6 +157,12 @@ def test_sync_sdk_lifecycle_commands_and_files(server: Server, env: dict[str, st
         assert not sb.files.exists("/work/sub/c.txt")
         with pytest.raises(NotFoundException):
             sb.files.read("/work/missing")
+        # Several files in one multipart upload; a file-like object as an octet-stream upload.
+        infos = sb.files.write_files([{"path": "/work/m1.txt", "data": "one"}, {"path": "/work/m2", "data": b"2"}])
+        assert [i.path for i in infos] == ["/work/m1.txt", "/work/m2"]
+        assert sb.commands.run("cat /work/m1.txt /work/m2").stdout == "one2"
+        sb.files.write("/work/stream.bin", io.BytesIO(ALL_BYTES))
+        assert bytes(sb.files.read("/work/stream.bin", format="bytes")) == ALL_BYTES
 
         # Connect from "another process", list by metadata, set_timeout.
         again = Sandbox.connect(sb.sandbox_id)
@@ -164,6 +179,11 @@ def test_sync_sdk_lifecycle_commands_and_files(server: Server, env: dict[str, st
     assert Sandbox.list(query=e2b.SandboxQuery(metadata={"run": "e2b-sync"})).next_items() == []
     with pytest.raises(SandboxException):
         Sandbox.connect(sb.sandbox_id)
+    # Metrics count E2B commands like native execs (8 succeeded above, exit 7 was non-zero).
+    assert _metric(server, 'dsec_execs_total{result="ok"}') - ok_before >= 8
+    assert _metric(server, 'dsec_execs_total{result="nonzero"}') - nonzero_before >= 1
+    assert _metric(server, 'dsec_execs_total{result="timeout"}') >= 1
+    assert _metric(server, 'dsec_api_request_seconds_count{method="POST",route="/e2b/envd/{service}/{method}"') > 0
     kinds = _audit_kinds(server, sb.sandbox_id)
     assert kinds[0] == "create" and kinds[-1] == "kill"
     assert {"exec", "file_write", "signal", "upload", "file_remove"} <= set(kinds)
