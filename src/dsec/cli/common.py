@@ -62,7 +62,7 @@ def next_step(e: DSecError) -> str | None:
         name, _, tag = image.partition(":")
         if name in STOCK and tag in ("", "latest"):
             return (f"the stock image {name!r} is not built yet on the server's machine: run "
-                    f"`dsec image ensure-stock --only {name}` there as root (`scripts/setup.sh` builds both)")
+                    f"`dsec image ensure-stock --only {name}` there as root (`scripts/setup.sh` builds them all)")
         return (f"no image {image!r}: `dsec image ls` lists this node's images; stock ones are "
                 f"{', '.join(STOCK)}; add one with `dsec image import PATH` or `dsec image build`")
     return None

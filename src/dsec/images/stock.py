@@ -1,7 +1,8 @@
 """Stock images built offline on a fresh machine (no registry needed).
 
 - ``busybox``: Debian's busybox-static (/bin/busybox + applet symlinks) plus minimal
-  /etc/passwd, group, hosts and /tmp, /root, /work; one deterministic layer.
+  /etc/passwd, group, hosts and /tmp, /root, /work; one deterministic layer. Its
+  ``/bin/wget`` is a small static HTTP client (``stock/wget.c``), not busybox's applet.
 - ``python``: a Debian rootfs made by mmdebstrap (variant minbase) from this machine's
   apt sources, with python3, pip, venv, git, gcc, libc6-dev, ca-certificates, bash.
   The rootfs tarball is cached under ``settings.image_stock_cache_dir`` keyed by the
@@ -72,12 +73,32 @@ def _add_layer(store: ImageStore, build: Callable[[object], object]) -> LayerInf
     return LayerInfo(digest=digest, diff_id=res.diff_id, size=size, media_type=res.media_type)  # type: ignore[attr-defined]
 
 
+# The busybox image's /bin/wget: Debian's busybox-static wget segfaults once a timeout is
+# set (`wget -T 2`, on the host too) and has no TLS helper; this static HTTP client
+# replaces that applet (docs: README "CLI", the allow-list example).
+WGET_SOURCE = Path(__file__).parent / "stock" / "wget.c"
+WGET_CFLAGS = ("-static", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-s")
+
+
+def build_wget(dest: Path) -> None:
+    """Compile the image's static wget (gcc + libc6-dev, as for dsec-init) to ``dest``."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise ImageError("the busybox stock image's wget needs gcc and libc6-dev (scripts/setup.sh installs them)")
+    proc = subprocess.run([gcc, *WGET_CFLAGS, "-o", str(dest), str(WGET_SOURCE)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    if proc.returncode != 0:
+        raise ImageError(f"cannot build {WGET_SOURCE.name} for the busybox image: {proc.stderr.strip()[-2000:]}")
+    os.chmod(dest, 0o755)
+
+
 def ensure_busybox(store: ImageStore, log: Log = print) -> ImageInfo:
     bb = Path(shutil.which("busybox") or "/bin/busybox")
     if not bb.exists():
         raise ImageError("busybox stock image needs /bin/busybox (apt-get install busybox-static)")
     bb_digest, _ = file_digest(bb)
-    key = hashlib.sha256(f"busybox:{RECIPE_VERSION}:{bb_digest}".encode()).hexdigest()[:32]
+    wget_digest = hashlib.sha256(WGET_SOURCE.read_bytes() + " ".join(WGET_CFLAGS).encode()).hexdigest()
+    key = hashlib.sha256(f"busybox:{RECIPE_VERSION}:{bb_digest}:{wget_digest}".encode()).hexdigest()[:32]
     info = _current(store, "busybox:latest", key)
     if info is not None:
         return info
@@ -98,6 +119,9 @@ def ensure_busybox(store: ImageStore, log: Log = print) -> ImageInfo:
                 continue
             p.parent.mkdir(parents=True, exist_ok=True)
             os.symlink("/bin/busybox", p)
+        for applet in ("bin/wget", "usr/bin/wget"):
+            (root / applet).unlink(missing_ok=True)
+        build_wget(root / "bin/wget")
         (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
         (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
         (root / "etc/hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost\n")
