@@ -132,3 +132,31 @@ def test_restore_keeps_holes_and_sweeps_layers(server: Server, api: httpx.Client
     assert api.delete(f"/v1/checkpoints/{ck}").status_code == 204
     left = sorted(p.name for p in layers.iterdir()) if layers.is_dir() else []
     assert left == [], left
+
+
+def test_sparse_file_episode_step_is_bounded(server: Server, api: httpx.Client) -> None:
+    """An episode step that makes a 1 GiB sparse file in a 64M-disk sandbox: its checkpoint
+    unit is refused (413) from the stat walk (server peak RSS < 128 MiB), nothing is logged,
+    and the next step runs in a sandbox restored from the last unit (the file is gone)."""
+    spec = {"image": "busybox", "disk": "64M", "memory": "128M", "cpu": 0.5}
+    r = api.post("/v1/episodes/sparse-ep/open", json={"spec": spec})
+    assert r.status_code == 200, r.text
+    hdr = {"x-dsec-episode-epoch": str(r.json()["epoch"])}
+
+    def step(n: int, cmd: str) -> httpx.Response:
+        return api.post("/v1/episodes/sparse-ep/steps", json={"step": n, "request": {"cmd": cmd}}, headers=hdr)
+
+    try:
+        assert step(0, "echo base > /base").status_code == 200
+        base_kib = _reset_peak(server.proc.pid)
+        r = step(1, "truncate -s 1G /big")
+        growth_mib = (_status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
+        print(f"episode step with a sparse 1G file: HTTP {r.status_code}, server peak RSS +{growth_mib:.1f} MiB")
+        assert r.status_code == 413 and "disk quota" in r.json()["message"], r.text
+        assert growth_mib < 128, growth_mib
+        r = step(1, "cat /base; ls /big")
+        assert r.status_code == 200, r.text
+        assert r.json()["stdout"] == "base\n" and "No such file" in r.json()["stderr"]
+        assert api.get("/v1/episodes/sparse-ep").json()["steps"] == 2
+    finally:
+        api.delete("/v1/episodes/sparse-ep", headers=hdr)

@@ -162,6 +162,9 @@ async def purge_tenant_data(app_state: Any, svc: Any, victim: Any, killed: list[
         await asyncio.to_thread(svc.state.purge_tenant, victim.uid)
         if ckpts is not None:
             await ckpts.purge(victim.uid)
+            # Preemption checkpoints, and checkpoints taken before uids existed, are under
+            # the name (``sbckpt.<name>.``: a dot ends it, so no other name matches).
+            await ckpts.purge(victim.name)
         if episodes is not None:
             await episodes.purge(episode_key_prefix(victim.uid))
     driver = svc.scheduler

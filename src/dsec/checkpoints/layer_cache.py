@@ -78,6 +78,10 @@ class LayerCache:
         self.root, self.grace_s = root, grace_s
         self._pins: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # False once a sweep left the dir empty: then a sweep (run after every kill) costs
+        # nothing until the next restore unpacks something.
+        self._maybe_entries = True
+        self._made = 0  # materialize calls so far: a sweep clears the flag only if none came meanwhile
 
     @classmethod
     def at(cls, root: Path, grace_s: float) -> LayerCache:
@@ -94,6 +98,8 @@ class LayerCache:
         names = [ref.digest.removeprefix("sha256:") for ref in chain]
         with self._lock:
             self._pins.update(names)
+            self._maybe_entries = True
+            self._made += 1
         try:
             dirs = materialize(store, chain, self.root, inline, max_bytes)
         except BaseException:
@@ -118,7 +124,8 @@ class LayerCache:
     def gc_now(self) -> int:
         """Delete every cached layer nothing needs (see the module doc); returns how many."""
         try:
-            names = [e for e in os.scandir(self.root) if _HEX.match(e.name) and e.is_dir(follow_symlinks=False)]
+            with os.scandir(self.root) as it:
+                names = [e for e in it if _HEX.match(e.name) and e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
             return 0
         entries = {}
@@ -131,6 +138,7 @@ class LayerCache:
         # Under the pin lock: a restore either pinned its layers before (skipped here) or
         # unpinned them after its mount, which this mountinfo read then shows.
         with self._lock:
+            made = self._made
             with open("/proc/self/mountinfo") as fh:
                 in_use = lowers_in_use(self.root, fh)
             for name in collectable(entries, in_use, set(self._pins), time.time(), self.grace_s):
@@ -145,6 +153,9 @@ class LayerCache:
         for gone in doomed:
             shutil.rmtree(gone, ignore_errors=True)
         n = len(doomed)
+        with self._lock:
+            if n == len(entries) and not self._pins and self._made == made:
+                self._maybe_entries = False
         for e in os.scandir(self.root):  # temp dirs of an unpack or a gc that crashed
             if e.name.startswith(".") and (".gc-" in e.name or e.name.endswith(".tmp")):
                 try:
@@ -157,6 +168,8 @@ class LayerCache:
         return n
 
     async def gc(self) -> int:
+        if not self._maybe_entries:
+            return 0
         try:
             return await asyncio.to_thread(self.gc_now)
         except Exception:
