@@ -85,6 +85,25 @@ class Settings(BaseSettings):
                                         "if still running: long commands never block others")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
+    # --- API hardening: bodies, files, connections (issue 18 #2 #3 #5 #11 #12) ---
+    api_max_json_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest JSON request body (413 past "
+                                    "it; checked after auth, before reading); raw uploads use max_upload_bytes")
+    api_uploads_per_tenant: int = Field(4, ge=1, description="File/tar uploads one tenant may stream at once "
+                                        "(429 past it)")
+    api_file_ops_per_tenant: int = Field(8, ge=1, description="Blocking file operations one tenant may have in "
+                                         "flight on the file I/O threads (more wait, then 429)")
+    api_file_threads: int = Field(32, ge=1, description="File I/O threads, apart from the pool that state, "
+                                  "create and kill calls use")
+    api_file_slot_wait_s: float = Field(5.0, gt=0, description="A file operation waits this long for one of "
+                                        "its tenant's slots, then answers 429")
+    api_file_op_timeout_s: float = Field(60.0, gt=0, description="Deadline of one blocking file step (open, "
+                                         "1 MiB read/write, list page); 504 past it")
+    api_list_max_entries: int = Field(1000, ge=1, description="Most entries one files/list page returns "
+                                      "(a larger `limit` is clamped); the rest via the cursor")
+    api_header_timeout_s: float = Field(10.0, gt=0, description="A request's headers must be complete this long "
+                                        "after its first byte (or after connect); else the connection is closed")
+    api_max_pending_per_client: int = Field(64, ge=1, description="Connections one client address may hold "
+                                            "with a half-sent request header; more are closed at once")
     doctor_min_free_disk: str = Field("5G", description="`dsec doctor`/serve warn below this free space under HOME")
     doctor_min_nofile: int = Field(16384, description="`dsec doctor`/serve warn below this open-file hard limit")
 

@@ -17,6 +17,8 @@ from dsec import __version__
 from dsec.api import routes_admin, routes_checkpoints, routes_files, routes_sandboxes, routes_scheduler
 from dsec.api.compat.e2b import install_e2b
 from dsec.api.errors import install_error_handlers
+from dsec.api.file_gate import FileGate
+from dsec.api.guard import RequestGuard
 from dsec.api.hotpath import HotPath
 from dsec.api.metrics import Metrics
 from dsec.api.priority import GcPauses, boost_server_threads
@@ -103,11 +105,13 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
                 gc_pauses.close()
                 gc.unfreeze()  # an app in a longer-lived process (tests) must not pin its objects
                 await services.close()
+            app.state.file_gate.close()
 
     app = DSecApp(title="DSec API", version=__version__, lifespan=lifespan,
                   description="Fast, secure, recoverable sandboxes for AI-agent training. "
                               "Errors are JSON {code, message, details}.")
     app.state.services = services
+    app.state.file_gate = FileGate(services.settings)  # file I/O threads, slots per tenant (issue 18 #2)
     install_error_handlers(app, services.settings.api_retry_after_s)
     app.include_router(routes_sandboxes.router)
     app.include_router(routes_files.router)
@@ -134,7 +138,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     # RequestMetrics labels by the route template: FastAPI's router (or HotPath) sets
     # scope["route"] in the shared scope dict before the response completes.
     inner: ASGIApp = app.fastapi
-    app.front = RequestMetrics(HotPath(inner, services) if hot_path else inner, services.metrics)
+    # RequestGuard: token checked and body capped before anything reads a body (issue 18 #5).
+    app.front = RequestMetrics(RequestGuard(HotPath(inner, services) if hot_path else inner, services),
+                               services.metrics)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app
 

@@ -8,20 +8,48 @@ the sandbox resolve *inside* the sandbox, never on the host. Directory walks use
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import io
 import os
 import shutil
 import stat
 import tarfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import PurePosixPath
+from typing import IO
 
 from dsec.errors import Conflict, InvalidArgument, NotFound, PayloadTooLarge
 from dsec.models import FileEntry
 from dsec.node.syscalls import openat2
 
 _O_PATH_DIR = os.O_PATH | os.O_DIRECTORY
+CHUNK = 1 << 20  # bytes per read/write step: bounds what one file operation holds in memory
+_BLOCK = tarfile.BLOCKSIZE
+
+
+def _kind(mode: int) -> str:
+    return ("dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode)
+            else "symlink" if stat.S_ISLNK(mode) else "other")
+
+
+def _special(mode: int) -> str:
+    return ("a fifo" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+
+
+def _require_regular(st: os.stat_result, path: str) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise Conflict(f"{path} is a directory; use list or download", path=path)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"{path} is {_special(st.st_mode)}: the files API reads and writes regular "
+                              "files only", path=path)
+
+
+def _padded(size: int) -> int:
+    return -(-size // _BLOCK) * _BLOCK
 
 
 def normalize(path: str) -> str:
@@ -57,6 +85,85 @@ def _errno_to_error(e: OSError, path: str) -> Exception:
     if e.errno == errno.EXDEV:
         return InvalidArgument(f"{path} resolves outside the sandbox's root", path=path)
     return InvalidArgument(f"{path}: {os.strerror(e.errno or 0)}", path=path)
+
+
+class OpenFile:
+    """An fd used from worker threads one step at a time.
+
+    A step that overran its deadline may still be running when the request gives up:
+    ``close`` waits for it (same lock) instead of closing the fd under it, where the
+    number could be reused by another tenant's open and the late step hit that file."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+        self._lock = threading.Lock()
+
+    def read(self, n: int = CHUNK) -> bytes:
+        with self._lock:
+            return os.read(self.fd, n) if self.fd >= 0 else b""
+
+    def read_all(self, size: int) -> bytes:
+        out = bytearray()
+        while len(out) < size and (chunk := self.read(min(CHUNK, size - len(out)))):
+            out += chunk
+        return bytes(out)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        with self._lock:
+            if self.fd < 0:
+                raise InvalidArgument(f"{self.path}: the upload was abandoned", path=self.path)
+            try:
+                while view:
+                    view = view[os.write(self.fd, view):]
+            except OSError as e:
+                raise _errno_to_error(e, self.path) from None
+
+    def finish(self, mode: int) -> None:
+        """Set the mode and close (a completed upload)."""
+        with self._lock:
+            try:
+                os.fchmod(self.fd, mode & 0o777)
+            except OSError as e:
+                raise _errno_to_error(e, self.path) from None
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+
+    def abandon(self) -> None:
+        """A failed upload leaves an empty file, never a silently cut one."""
+        with self._lock:
+            if self.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
+                self.close_locked()
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+    def close_locked(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class LockedIter:
+    """A generator advanced from worker threads: ``close`` waits for a step in progress."""
+
+    def __init__(self, it: Iterator[bytes]) -> None:
+        self._it = it
+        self._lock = threading.Lock()
+
+    def next(self) -> bytes | None:
+        with self._lock:
+            return next(self._it, None)
+
+    def close(self) -> None:
+        with self._lock:
+            close = getattr(self._it, "close", None)
+            if close is not None:
+                close()
 
 
 class SandboxFS:
@@ -107,54 +214,133 @@ class SandboxFS:
         with self._root_fd() as root:
             os.close(self._mkdirs(root, normalize(path)))
 
-    def read(self, path: str, max_bytes: int) -> bytes:
+    def _open_regular(self, root_fd: int, rel: str, flags: int, display: str, create_mode: int | None = None,
+                      nofollow: bool = False) -> int:
+        """Open a regular file (creating it if ``create_mode`` is given) and nothing else.
+
+        Why not openat2 with the real flags: opening a fifo blocks until a peer opens the
+        other end (a host thread stuck for good; issue 18 #2), and opening a device node
+        can have side effects. An O_PATH open does neither; its type is checked, then the
+        very same inode is re-opened through /proc/self/fd (no second lookup to race).
+        """
+        try:
+            pfd = openat2(root_fd, rel or ".", os.O_PATH | (os.O_NOFOLLOW if nofollow else 0))
+        except FileNotFoundError:
+            if create_mode is None:
+                raise NotFound(f"no such file or directory in the sandbox: {display}", path=display) from None
+            # O_NONBLOCK: should a fifo appear here meanwhile, the open fails (ENXIO) or
+            # returns at once; the type check below refuses it either way.
+            fd = self._open(root_fd, rel, flags | os.O_CREAT | os.O_NONBLOCK, create_mode, display=display)
+            try:
+                _require_regular(os.fstat(fd), display)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        except OSError as e:
+            raise _errno_to_error(e, display) from None
+        try:
+            _require_regular(os.fstat(pfd), display)
+            try:
+                return os.open(f"/proc/self/fd/{pfd}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                raise _errno_to_error(e, display) from None
+        finally:
+            os.close(pfd)
+
+    # --- read ---------------------------------------------------------------------
+
+    def open_read(self, path: str, max_bytes: int) -> tuple[OpenFile, int]:
+        """(file, size) of a regular file; 413 when its *apparent* size is over ``max_bytes``.
+
+        Checked before a byte is read: a sparse file (``truncate -s 1G``) costs no disk
+        but would cost its full size in memory and on the wire (issue 18 #3)."""
         rel = normalize(path)
         with self._root_fd() as root:
-            fd = self._open(root, rel, os.O_RDONLY | os.O_NONBLOCK, display=path)
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISDIR(st.st_mode):
-                    raise Conflict(f"{path} is a directory; use list or download", path=path)
-                if not stat.S_ISREG(st.st_mode):
-                    raise InvalidArgument(f"{path} is not a regular file", path=path)
-                if st.st_size > max_bytes:
-                    raise PayloadTooLarge(f"{path} is {st.st_size} bytes; the limit is {max_bytes}", path=path)
-                with os.fdopen(os.dup(fd), "rb") as fh:
-                    return fh.read(max_bytes + 1)[:max_bytes]
-            finally:
-                os.close(fd)
+            fd = self._open_regular(root, rel, os.O_RDONLY, path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise PayloadTooLarge(f"{path} is {size} bytes (apparent size: holes of sparse files count); "
+                                      f"the limit is {max_bytes} (Settings.max_upload_bytes)", path=path,
+                                      size=size, limit=max_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return OpenFile(fd, path), size
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def read(self, path: str, max_bytes: int) -> bytes:
+        f, size = self.open_read(path, max_bytes)
+        try:
+            return f.read_all(size)
+        finally:
+            f.close()
+
+    # --- write --------------------------------------------------------------------
+
+    def open_write(self, path: str, mode: int = 0o644) -> OpenFile:
+        """Regular file ``path`` opened for writing (parents made, truncated); fifos,
+        sockets and devices are refused with 422 instead of being opened."""
         parent, name = _split(normalize(path))
         with self._root_fd() as root:
             os.close(self._mkdirs(root, parent))
-            fd = self._open(root, f"{parent}/{name}" if parent else name,
-                            os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode & 0o7777, display=path)
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fchmod(fd, mode & 0o777)
-            except OSError as e:
-                raise _errno_to_error(e, path) from None
-            finally:
-                os.close(fd)
+            fd = self._open_regular(root, f"{parent}/{name}" if parent else name, os.O_WRONLY, path,
+                                    create_mode=mode & 0o7777)
+        try:
+            os.ftruncate(fd, 0)
+        except OSError as e:
+            os.close(fd)
+            raise _errno_to_error(e, path) from None
+        return OpenFile(fd, path)
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        f = self.open_write(path, mode)
+        try:
+            f.write(data)
+        except BaseException:
+            f.abandon()
+            raise
+        f.finish(mode)
+
+    # --- list -----------------------------------------------------------------------
 
     def list(self, path: str) -> list[FileEntry]:
+        """Every entry (node-internal callers; the API pages with ``list_page``)."""
+        return self.list_page(path, None, None)[0]
+
+    def list_page(self, path: str, limit: int | None, after: str | None) -> tuple[list[FileEntry], str | None]:
+        """Up to ``limit`` entries named after ``after`` (name order) and the cursor of the
+        next page (None: this was the last one).
+
+        Memory is O(limit) whatever the directory holds: names stream through a bounded
+        heap (issue 18 #11). Entries renamed or removed while we look (the sandbox runs
+        concurrently) are left out, never a 500 (issue 18 #13)."""
         rel = normalize(path)
         with self._root_fd() as root:
             fd = self._open(root, rel, os.O_RDONLY | os.O_DIRECTORY, display=path)
             try:
-                entries = []
+                try:
+                    with os.scandir(fd) as it:
+                        names = (de.name for de in it if after is None or de.name > after)
+                        picked = sorted(names) if limit is None else heapq.nsmallest(limit + 1, names)
+                except OSError as e:
+                    raise _errno_to_error(e, path) from None
+                more = limit is not None and len(picked) > limit
+                if more:
+                    picked = picked[:limit]
                 base = "/" + rel if rel else ""
-                for de in os.scandir(fd):
-                    st = de.stat(follow_symlinks=False)
-                    kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
-                            else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
-                    entries.append(FileEntry(name=de.name, path=f"{base}/{de.name}", size=st.st_size,
-                                             mode=stat.S_IMODE(st.st_mode), type=kind, mtime=st.st_mtime))
-                return sorted(entries, key=lambda e: e.name)
+                entries = []
+                for name in picked:
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue  # gone since the directory was read: not part of the answer
+                    except OSError as e:
+                        raise _errno_to_error(e, f"{base}/{name}") from None
+                    entries.append(FileEntry(name=name, path=f"{base}/{name}", size=st.st_size,
+                                             mode=stat.S_IMODE(st.st_mode), type=_kind(st.st_mode),
+                                             mtime=st.st_mtime))
+                return entries, (picked[-1] if more else None)
             finally:
                 os.close(fd)
 
@@ -181,64 +367,148 @@ class SandboxFS:
                 os.close(pfd)
 
     def upload_tar(self, path: str, tar_bytes: bytes) -> int:
-        """Extract a tar stream under directory ``path``; returns files written."""
+        return self.upload_tar_from(path, io.BytesIO(tar_bytes))
+
+    def upload_tar_from(self, path: str, src: IO[bytes]) -> int:
+        """Extract a tar stream (read sequentially from ``src``) under directory ``path``;
+        returns files written. Members are copied in chunks, never held whole."""
         base = normalize(path)
         count = 0
         try:
-            tf = tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:*")
+            tf = tarfile.open(fileobj=src, mode="r|*")  # noqa: SIM115 - closed by the `with` below
         except tarfile.TarError as e:
             raise InvalidArgument(f"upload is not a readable tar stream: {e}") from None
         with tf, self._root_fd() as root:
-            for m in tf:
-                name = normalize("/" + m.name.lstrip("/"))
-                if ".." in name.split("/"):
-                    raise InvalidArgument(f"tar entry {m.name!r} contains '..'")
-                rel = "/".join(p for p in (base, name) if p)
-                if m.isdir():
-                    os.close(self._mkdirs(root, rel))
-                elif m.isreg():
-                    src = tf.extractfile(m)
-                    self.write("/" + rel, src.read() if src else b"", m.mode & 0o777)
-                    count += 1
-                elif m.issym():
-                    parent, leaf = _split(rel)
-                    pfd = self._mkdirs(root, parent)
-                    try:
-                        os.symlink(m.linkname, leaf, dir_fd=pfd)
-                    except FileExistsError:
-                        os.unlink(leaf, dir_fd=pfd)
-                        os.symlink(m.linkname, leaf, dir_fd=pfd)
-                    finally:
-                        os.close(pfd)
-                else:
-                    raise InvalidArgument(f"tar entry {m.name!r}: only files, dirs and symlinks are accepted")
+            try:
+                for m in tf:
+                    name = normalize("/" + m.name.lstrip("/"))
+                    if ".." in name.split("/"):
+                        raise InvalidArgument(f"tar entry {m.name!r} contains '..'")
+                    rel = "/".join(p for p in (base, name) if p)
+                    if m.isdir():
+                        os.close(self._mkdirs(root, rel))
+                    elif m.isreg():
+                        self._extract_file(tf, m, "/" + rel)
+                        count += 1
+                    elif m.issym():
+                        parent, leaf = _split(rel)
+                        pfd = self._mkdirs(root, parent)
+                        try:
+                            os.symlink(m.linkname, leaf, dir_fd=pfd)
+                        except FileExistsError:
+                            os.unlink(leaf, dir_fd=pfd)
+                            os.symlink(m.linkname, leaf, dir_fd=pfd)
+                        finally:
+                            os.close(pfd)
+                    else:
+                        raise InvalidArgument(f"tar entry {m.name!r}: only files, dirs and symlinks are accepted")
+            except tarfile.TarError as e:
+                raise InvalidArgument(f"upload is not a readable tar stream: {e}") from None
         return count
 
-    def download_tar(self, path: str, max_bytes: int) -> bytes:
+    def _extract_file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str) -> None:
+        src = tf.extractfile(m)
+        f = self.open_write(path, m.mode & 0o777)
+        try:
+            while src is not None and (chunk := src.read(CHUNK)):
+                f.write(chunk)
+        except BaseException:
+            f.abandon()
+            raise
+        f.finish(m.mode)
+
+    # --- download -------------------------------------------------------------------
+
+    def _tar_entries(self, path: str) -> Iterator[tuple[tarfile.TarInfo, int, str]]:
+        """(header, dir fd, name) of every entry under directory ``path``, depth first,
+        symlinks never followed; fifos, sockets and devices are left out."""
         rel = normalize(path)
-        buf = io.BytesIO()
-        with self._root_fd() as root, tarfile.open(fileobj=buf, mode="w") as tf:
+        with self._root_fd() as root:
             fd = self._open(root, rel, os.O_RDONLY | os.O_DIRECTORY, display=path)
             try:
                 for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=fd):
                     for name in sorted(dirnames) + sorted(filenames):
-                        arc = os.path.normpath(os.path.join(dirpath, name))
-                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                        info = tarfile.TarInfo(arc)
+                        try:
+                            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue  # removed while we walk
+                        info = tarfile.TarInfo(os.path.normpath(os.path.join(dirpath, name)))
                         info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
                         if stat.S_ISDIR(st.st_mode):
                             info.type = tarfile.DIRTYPE
-                            tf.addfile(info)
                         elif stat.S_ISLNK(st.st_mode):
-                            info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dfd)
-                            tf.addfile(info)
+                            try:
+                                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dfd)
+                            except FileNotFoundError:
+                                continue
                         elif stat.S_ISREG(st.st_mode):
-                            ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                            with os.fdopen(ffd, "rb") as fh:
-                                info.size = st.st_size
-                                tf.addfile(info, fh)
-                        if buf.tell() > max_bytes:
-                            raise PayloadTooLarge(f"{path} is larger than {max_bytes} bytes as a tar")
+                            info.size = st.st_size
+                        else:
+                            continue
+                        yield info, dfd, name
             finally:
                 os.close(fd)
-        return buf.getvalue()
+
+    @staticmethod
+    def _header(info: tarfile.TarInfo) -> bytes:
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+    def tar_size(self, path: str, max_bytes: int) -> int:
+        """Bytes the tar of ``path`` will take, counting apparent sizes (a sparse file's
+        holes are sent as zeros); 413 as soon as it passes ``max_bytes``. Nothing is read
+        but metadata, so the check costs the same for a 1 GiB hole as for 1 byte."""
+        total = 2 * _BLOCK
+        for info, _, _ in self._tar_entries(path):
+            total += len(self._header(info)) + _padded(info.size)
+            if total > max_bytes:
+                raise PayloadTooLarge(f"{path} is larger than {max_bytes} bytes as a tar (apparent sizes: holes of "
+                                      "sparse files count; Settings.max_upload_bytes)", path=path, limit=max_bytes)
+        return total
+
+    def iter_tar(self, path: str, max_bytes: int) -> Iterator[bytes]:
+        """The tar of ``path`` in pieces of about ``CHUNK`` bytes (memory stays O(CHUNK)).
+
+        Call ``tar_size`` first for a clean 413; files that grew since are cut to the size
+        their header announced, and a tree that grew past ``max_bytes`` stops the stream."""
+        sent = 0
+        buf = bytearray()
+
+        def emit(data: bytes) -> None:
+            nonlocal sent
+            sent += len(data)
+            if sent > max_bytes:
+                raise PayloadTooLarge(f"{path} grew past {max_bytes} bytes while being archived", path=path)
+            buf.extend(data)
+
+        for info, dfd, name in self._tar_entries(path):
+            fd = -1
+            if info.type == tarfile.REGTYPE:
+                try:
+                    # never a fifo or a symlink swapped in since the walk looked
+                    fd = self._open_regular(dfd, name, os.O_RDONLY, path, nofollow=True)
+                except (NotFound, InvalidArgument, Conflict):
+                    continue
+            try:
+                emit(self._header(info))
+                left = info.size if fd >= 0 else 0
+                while left > 0:
+                    chunk = os.read(fd, min(CHUNK, left)) or bytes(min(CHUNK, left))  # shrank: pad with zeros
+                    left -= len(chunk)
+                    emit(chunk)
+                    if len(buf) >= CHUNK:
+                        yield bytes(buf)
+                        buf.clear()
+                if fd >= 0:
+                    emit(bytes(_padded(info.size) - info.size))
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            if len(buf) >= CHUNK:
+                yield bytes(buf)
+                buf.clear()
+        emit(bytes(2 * _BLOCK))
+        yield bytes(buf)
+
+    def download_tar(self, path: str, max_bytes: int) -> bytes:
+        self.tar_size(path, max_bytes)
+        return b"".join(self.iter_tar(path, max_bytes))

@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -100,7 +100,11 @@ class _Api:
         return self._run(_ops.write_file(sandbox_id, path, data, mode))
 
     def list_files(self, sandbox_id: str, path: str) -> Any:
-        return self._run(_ops.list_files(sandbox_id, path))
+        """Every entry: the server pages long listings (X-Next-Cursor); pages are followed here."""
+        return self._pages(lambda cursor: _ops.list_files(sandbox_id, path, cursor))
+
+    def _pages(self, page: Callable[[str | None], Call[tuple[list[Any], str | None]]]) -> Any:
+        raise NotImplementedError
 
     def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Any:
         return self._run(_ops.remove_file(sandbox_id, path, recursive))
@@ -197,6 +201,15 @@ class Client(_Api):
             except StopIteration as stop:
                 return stop.value
 
+    def _pages(self, page: Callable[[str | None], Call[tuple[list[Any], str | None]]]) -> list[Any]:
+        items: list[Any] = []
+        cursor: str | None = None
+        while True:
+            got, cursor = self._run(page(cursor))
+            items += got
+            if cursor is None:
+                return items
+
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecEvent]:
         call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
         lines = self._u3.lines(call) if self._u3 is not None else self._httpx_lines(call)
@@ -275,6 +288,15 @@ class AsyncClient(_Api):
                     step = gen.send(None)
             except StopIteration as stop:
                 return stop.value
+
+    async def _pages(self, page: Callable[[str | None], Call[tuple[list[Any], str | None]]]) -> list[Any]:
+        items: list[Any] = []
+        cursor: str | None = None
+        while True:
+            got, cursor = await self._run(page(cursor))
+            items += got
+            if cursor is None:
+                return items
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)

@@ -129,9 +129,13 @@ def write_file(sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644)
                 content=body, headers={"content-type": "application/octet-stream"}, idempotent=True)
 
 
-def list_files(sandbox_id: str, path: str) -> Call[list[FileEntry]]:
-    return Call("GET", f"{_SB}/{_sid(sandbox_id)}/files/list", lambda r: _entries.validate_json(r.content),
-                params=[("path", path)], idempotent=True)
+def list_files(sandbox_id: str, path: str, cursor: str | None = None,
+               limit: int | None = None) -> Call[tuple[list[FileEntry], str | None]]:
+    """One page of a directory listing and the next page's cursor (None: last page)."""
+    params = [("path", path)] + ([("cursor", cursor)] if cursor else []) + ([("limit", str(limit))] if limit else [])
+    return Call("GET", f"{_SB}/{_sid(sandbox_id)}/files/list",
+                lambda r: (_entries.validate_json(r.content), r.headers.get("x-next-cursor")),
+                params=params, idempotent=True)
 
 
 def remove_file(sandbox_id: str, path: str, recursive: bool = False) -> Call[None]:
