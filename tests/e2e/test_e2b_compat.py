@@ -258,7 +258,7 @@ def test_tenants_are_apart_and_quotas_apply(server: Server, env: dict[str, str],
 
         theirs = Sandbox.create(template=IMAGE, timeout=60, api_key=tenant_b)
         with pytest.raises(RateLimitException):  # max_sandboxes=1
-            Sandbox.create(template=IMAGE, timeout=60, api_key=tenant_b)
+            Sandbox.create(template=IMAGE, timeout=60, api_key=tenant_b, retries=0)
         # Tenant B's envd token does not open tenant A's sandbox.
         envd = env["E2B_SANDBOX_URL"]
         stolen = {"E2b-Sandbox-Id": mine.sandbox_id, "X-Access-Token": theirs._envd_access_token}
@@ -269,6 +269,10 @@ def test_tenants_are_apart_and_quotas_apply(server: Server, env: dict[str, str],
         with pytest.raises(AuthenticationException):
             Sandbox.create(template=IMAGE, api_key="dsec_not-a-token")
         assert mine.commands.run("echo still-mine").stdout == "still-mine\n"
+        # Idempotency-Key: a retried create answers the same sandbox.
+        first = Sandbox.create(template=IMAGE, timeout=60, idempotency_key="e2b-idem-1")
+        assert Sandbox.create(template=IMAGE, timeout=60, idempotency_key="e2b-idem-1").sandbox_id == first.sandbox_id
+        first.kill()
         theirs.kill()
     finally:
         mine.kill()
