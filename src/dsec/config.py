@@ -259,6 +259,25 @@ class Settings(BaseSettings):
     gvisor_exec_drain_s: float = Field(0.05, description="After a gVisor exec's command exits, wait this long "
                                        "for output still in its pipes (background jobs may hold them open)")
 
+    # --- SandboxFusion-compatible /run_code (issue 14; dsec.api.compat.fusion) ---------------
+    fusion_images: dict[str, str] = Field({"python": "python", "bash": "python", "cpp": "cpp"},
+                                          description="SandboxFusion language -> DSec image that runs it")
+    fusion_pool_max: int = Field(64, ge=1, description="Most sandboxes one (tenant, image, memory) run_code pool "
+                                 "holds; calls beyond wait for a free one")
+    fusion_cpu: float = Field(1.0, gt=0, description="CPU cap of each run_code sandbox")
+    fusion_memory_mb: int = Field(1024, ge=16, description="Memory of a run_code sandbox when the request "
+                                  "gives no memory_limit_MB (or -1)")
+    fusion_pids: int = Field(256, ge=16, description="Process cap of each run_code sandbox (fork bombs stop here)")
+    fusion_max_request_bytes: int = Field(16 << 20, ge=1024, description="Largest /run_code request body "
+                                          "(code, stdin and files); larger is a SandboxError naming it")
+    fusion_max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream per "
+                                         "run_code step (floods are cut here and flagged)")
+    fusion_max_timeout_s: float = Field(300.0, gt=0, description="Largest compile_timeout / run_timeout honoured")
+    fusion_sandbox_ttl_s: float = Field(3600.0, gt=60, description="A pooled run_code sandbox is replaced after "
+                                        "this long (its TTL is a bit longer)")
+    fusion_anonymous_tenant: str | None = Field(None, description="Tenant that un-keyed /run_code and /v1/ping "
+                                                "calls run as; None (default): no anonymous access")
+
     # --- state / cluster --------------------------------------------------------------
     state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for multi-node state")

@@ -122,6 +122,10 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     app.include_router(routes_scheduler.router)
     # E2B SDK front ends (/e2b REST, /e2b/envd): the same SandboxService underneath.
     app.state.e2b = install_e2b(app, services)
+    # SandboxFusion front end (/fusion/<key>/run_code, /v1/ping): pooled reset-able sandboxes.
+    from dsec.api.compat.fusion import install_fusion
+
+    app.state.fusion = install_fusion(app, services)
     app.state.checkpoints = None
     if getattr(services.node, "manager", None) is not None:
         # Episodes (trajectory log, checkpoints, fast-forward resume) and sandbox

@@ -114,7 +114,7 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     from dsec.api.app import create_app
 
     services = services or build_embedded(settings)
-    ensure_local_token(services)
+    local_token = ensure_local_token(services)
     app = create_app(services)
     enable_preemption(services, getattr(app.state, "checkpoints", None))
     server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level))
@@ -151,8 +151,10 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"
         from dsec.api.compat.e2b import e2b_urls
 
-        atomic_write(server_file, json.dumps({"url": url, **e2b_urls(url), "pid": os.getpid(),
+        atomic_write(server_file, json.dumps({"url": url, **e2b_urls(url),
+                                              **server_json_entry(url, hash_token(local_token)), "pid": os.getpid(),
                                               "started_at": time.time()}).encode())
+        from dsec.api.compat.fusion import server_json_entry
         log.info("DSec API listening on %s (token: %s)", url, settings.home / TOKEN_FILE)
         if ready is not None:
             ready.set()

@@ -3,6 +3,7 @@
 - ``busybox``: Debian's busybox-static (/bin/busybox + applet symlinks) plus minimal
   /etc/passwd, group, hosts and /tmp, /root, /work; one deterministic layer. Its
   ``/bin/wget`` is a small static HTTP client (``stock/wget.c``), not busybox's applet.
+- ``cpp``: like python with g++ and bash only (SandboxFusion cpp).
 - ``python``: a Debian rootfs made by mmdebstrap (variant minbase) from this machine's
   apt sources, with python3, pip, venv, git, gcc, libc6-dev, ca-certificates, bash.
   The rootfs tarball is cached under ``settings.image_stock_cache_dir`` keyed by the
@@ -35,6 +36,8 @@ RECIPE_VERSION = "1"
 STOCK_LABEL = "dev.dsec.stock.key"
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_PACKAGES = ["python3", "python3-pip", "python3-venv", "git", "gcc", "libc6-dev", "ca-certificates", "bash"]
+# The cpp image (SandboxFusion's cpp language): the C++ toolchain and a shell, nothing else.
+CPP_PACKAGES = ["g++", "libc6-dev", "bash"]
 # Path prefixes of the python image's upper layers; everything else is the base layer.
 PYTHON_LAYERS = [
     ("toolchain", ("usr/lib/gcc", "usr/libexec/gcc", "usr/include", "usr/lib/git-core", "usr/share/git-core",
@@ -141,21 +144,23 @@ def _sources_file() -> Path:
     raise ImageError("no Debian apt sources configured on this machine (/etc/apt/sources.list.d/*.sources)")
 
 
-def python_rootfs(store: ImageStore, log: Log = print) -> tuple[Path, str]:
-    """Cached mmdebstrap tarball of the python image (built once per package list)."""
+def python_rootfs(store: ImageStore, log: Log = print, name: str = "python",
+                  packages: list[str] | None = None) -> tuple[Path, str]:
+    """Cached mmdebstrap tarball of the python (or another Debian) image (built once per package list)."""
     s = store.settings
     sources = _sources_file()
-    key = hashlib.sha256(json.dumps([RECIPE_VERSION, s.image_stock_suite, PYTHON_PACKAGES,
+    packages = packages or PYTHON_PACKAGES
+    key = hashlib.sha256(json.dumps([RECIPE_VERSION, s.image_stock_suite, packages,
                                      sources.read_text()]).encode()).hexdigest()[:24]
-    cache = s.image_stock_cache_dir / f"python-{key}.tar"
+    cache = s.image_stock_cache_dir / f"{name}-{key}.tar"
     if cache.exists():
         return cache, key
     if shutil.which("mmdebstrap") is None:
         raise ImageError("python stock image needs mmdebstrap (apt-get install mmdebstrap)")
     cache.parent.mkdir(parents=True, exist_ok=True)
     part = cache.with_name(cache.name + f".part-{os.getpid()}")
-    log(f"mmdebstrap {s.image_stock_suite} (minbase + {', '.join(PYTHON_PACKAGES)}) -> {cache}")
-    cmd = ["mmdebstrap", "--variant=minbase", "--include=" + ",".join(PYTHON_PACKAGES), "--format=tar",
+    log(f"mmdebstrap {s.image_stock_suite} (minbase + {', '.join(packages)}) -> {cache}")
+    cmd = ["mmdebstrap", "--variant=minbase", "--include=" + ",".join(packages), "--format=tar",
            "--skip=output/dev", "--quiet", s.image_stock_suite, str(part), str(sources)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -218,19 +223,21 @@ def split_tarball(tarball: Path, sinks: list[object]) -> None:
         t.close()
 
 
-def ensure_python(store: ImageStore, log: Log = print) -> ImageInfo:
+def ensure_python(store: ImageStore, log: Log = print, name: str = "python",
+                  packages: list[str] | None = None) -> ImageInfo:
     s = store.settings
+    packages = packages or PYTHON_PACKAGES
     try:
         sources = _sources_file().read_text()
     except ImageError:
         sources = ""
-    key = hashlib.sha256(json.dumps([RECIPE_VERSION, s.image_stock_suite, PYTHON_PACKAGES, sources,
+    key = hashlib.sha256(json.dumps([RECIPE_VERSION, s.image_stock_suite, packages, sources,
                                      s.layer_compression]).encode()).hexdigest()[:32]
-    info = _current(store, "python:latest", key)
+    info = _current(store, f"{name}:latest", key)
     if info is not None:
         return info
-    tarball, _ = python_rootfs(store, log)
-    log(f"packing python:latest layers from {tarball}")
+    tarball, _ = python_rootfs(store, log, name, packages)
+    log(f"packing {name}:latest layers from {tarball}")
     from dsec.images.fsutil import HashingWriter
     from dsec.images.media import COMPRESSION_MT, compressing_writer
 
@@ -252,13 +259,18 @@ def ensure_python(store: ImageStore, log: Log = print) -> ImageInfo:
             cm.__exit__(None, None, None)
     cfg = _config([li.diff_id for li in layers], key, ["/bin/bash"],
                   ["mmdebstrap minbase"] + [f"split: {name}" for name, _ in PYTHON_LAYERS])
-    info = store.register(cfg, layers, ["python:latest"])
+    info = store.register(cfg, layers, [f"{name}:latest"])
     for li in layers:
         store.ensure_layer(li)
     return info
 
 
-STOCK = {"busybox": ensure_busybox, "python": ensure_python}
+def ensure_cpp(store: ImageStore, log: Log = print) -> ImageInfo:
+    """Debian minbase + g++ and bash (the SandboxFusion cpp language), built like python."""
+    return ensure_python(store, log, name="cpp", packages=CPP_PACKAGES)
+
+
+STOCK = {"busybox": ensure_busybox, "python": ensure_python, "cpp": ensure_cpp}
 
 
 def ensure_stock(store: ImageStore, only: list[str] | None = None, log: Log = print) -> dict[str, ImageInfo]:
