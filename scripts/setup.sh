@@ -48,6 +48,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
   .venv/bin/pip install -q -e '.[dev,ray]'  # ray: the cluster (dsec cluster up, tests/contract/node)
+  # verl's sandbox_fusion reward module needs only requests; verl's own deps (torch...) are not wanted here
+  .venv/bin/pip install -q --no-deps 'verl>=0.4'
   echo "$want" > "$stamp"
 fi
 
