@@ -4,6 +4,7 @@ and ``E2B_API_KEY`` = a DSec tenant token, exactly as a user would."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -210,11 +211,15 @@ async def test_async_sdk_lifecycle_commands_and_files(server: Server, env: dict[
                                   on_stdout=out.append, on_stderr=on_err)
         assert "".join(out) == "1\n2\n3\n" == r.stdout and "".join(err) == "e1\ne2\ne3\n"
 
+        # Concurrent commands on one sandbox each get their own output and exit code.
+        rs = await asyncio.gather(*(sb.commands.run(f"echo {i}; exit 0") for i in range(16)))
+        assert [r.stdout for r in rs] == [f"{i}\n" for i in range(16)]
+
         h = await sb.commands.run("echo started; sleep 60", background=True, on_stdout=out.append)
         for _ in range(100):
             if "started\n" in out:
                 break
-            await __import__("asyncio").sleep(0.05)
+            await asyncio.sleep(0.05)
         assert "started\n" in out
         assert await h.kill() is True
         with pytest.raises(CommandExitException):
