@@ -32,78 +32,13 @@ from dsec.node.api import (
 from dsec.node.files import SandboxFS
 from dsec.node.manager import SandboxManager
 from dsec.runtime import agent_client as ac
-from dsec.runtime.oci import AGENT_PATH_IN_SANDBOX
+from dsec.runtime.runsc_exec import RunscExit, runsc_exec_stream
 
 log = logging.getLogger("dsec.node")
 
 
 def _decode(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
-
-
-async def _run_collect(argv: list[str], stdin: bytes, deadline_s: float, limit: int,
-                       drain_s: float) -> tuple[int, bytes, bytes, bool]:
-    """Run argv (``runsc exec``) with piped stdio; return (exit code, out, err, lost).
-
-    Ends when the process exits, not when its pipes close: background jobs the command
-    left (`server &`) inherit stdout/stderr and keep them open for as long as they run.
-    After the exit we take what is already in the pipes (``drain_s``) and close our ends,
-    like the runc tier's agent. asyncio's subprocess wait() would block on those pipes,
-    so the exit is watched with a pidfd. ``lost``: runsc outlived ``deadline_s`` and was killed.
-    """
-    import os
-    import signal
-
-    from dsec.runtime.oci_runtime import _wait_pid
-
-    loop = asyncio.get_running_loop()
-    in_r, in_w = os.pipe2(os.O_CLOEXEC)
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[  # noqa: ASYNC221 - spawn, no wait
-            (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
-    except BaseException:
-        for fd in (in_w, out_r, err_r):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-    bufs = (bytearray(), bytearray())
-    transports: list[asyncio.BaseTransport] = []
-    readers = []
-    for fd, buf in ((out_r, bufs[0]), (err_r, bufs[1])):
-        reader = asyncio.StreamReader()
-        tr, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r),  # type: ignore[misc]
-                                             os.fdopen(fd, "rb", buffering=0))
-        transports.append(tr)
-
-        async def pump(r: asyncio.StreamReader = reader, b: bytearray = buf) -> None:
-            while chunk := await r.read(65536):
-                b += chunk[:max(0, limit + 1 - len(b))]  # keep draining past the limit
-
-        readers.append(asyncio.create_task(pump()))
-    wtr, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(in_w, "wb", buffering=0))
-    transports.append(wtr)
-    lost = False
-    try:
-        if stdin:
-            wtr.write(stdin)  # buffered by the loop; a command that never reads just drops it
-        wtr.write_eof()  # type: ignore[attr-defined]
-        try:
-            code = await asyncio.wait_for(_wait_pid(pid), deadline_s)
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            code = await _wait_pid(pid)
-            lost = True
-        await asyncio.wait(readers, timeout=drain_s)
-    finally:
-        for t in readers:
-            t.cancel()
-        for tr in transports:
-            tr.close()
-    return code, bytes(bufs[0]), bytes(bufs[1]), lost
 
 
 class LocalNodeAgent:
@@ -370,31 +305,47 @@ class LocalNodeAgent:
         return ExecResult(exit_code=out.exit_code, stdout=_decode(out.stdout), stderr=_decode(out.stderr),
                           duration=out.duration, timed_out=out.timed_out, truncated=out.truncated)
 
+    def _gvisor_stream(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float,
+                       stdin: bytes | None) -> AsyncIterator[tuple[str, bytes] | RunscExit]:
+        """``runsc exec`` of ``dsec-init run``; leaving it early kills the command's tree."""
+        return runsc_exec_stream(self.manager.runtime("gvisor"), sandbox_id, argv, env, cwd, timeout, stdin or b"",
+                                 self.settings.agent_grace_s, self.settings.gvisor_exec_drain_s,
+                                 self.manager.paths(sandbox_id).base)
+
     async def _exec_gvisor(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str,
                            timeout: float, stdin: bytes | None) -> ExecResult:
-        rt = self.manager.runtime("gvisor")
-        inner = [AGENT_PATH_IN_SANDBOX, "run", "--timeout-ms", str(int(timeout * 1000)), "--cwd", cwd, "--", *argv]
         t0 = time.perf_counter()
         limit = self.settings.max_exec_output_bytes
-        code, out, err, lost = await _run_collect(rt.exec_argv(sandbox_id, inner, env, "/"), stdin or b"",
-                                                  timeout + self.settings.agent_grace_s, limit,
-                                                  self.settings.gvisor_exec_drain_s)
-        timed_out = lost or (code == 124 and b"dsec-init: timeout" in err)
-        return ExecResult(exit_code=code, stdout=_decode(out[:limit]), stderr=_decode(err[:limit]),
-                          duration=time.perf_counter() - t0, timed_out=timed_out,
+        bufs = {"stdout": bytearray(), "stderr": bytearray()}
+        end = RunscExit(code=255, timed_out=False, lost=False)
+        stream = self._gvisor_stream(sandbox_id, argv, env, cwd, timeout, stdin)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                if isinstance(item, RunscExit):
+                    end = item
+                else:
+                    b = bufs[item[0]]
+                    b += item[1][:max(0, limit + 1 - len(b))]  # keep draining past the limit
+        out, err = bufs["stdout"], bufs["stderr"]
+        return ExecResult(exit_code=end.code, stdout=_decode(out[:limit]), stderr=_decode(err[:limit]),
+                          duration=time.perf_counter() - t0, timed_out=end.timed_out,
                           truncated=len(out) > limit or len(err) > limit)
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         rec, argv, env, cwd, timeout = self._exec_params(sandbox_id, req)
-        if rec.info.isolation == "gvisor":
-            res = await self.exec(sandbox_id, req)
-            if res.stdout:
-                yield ExecEvent(kind="stdout", data=res.stdout)
-            if res.stderr:
-                yield ExecEvent(kind="stderr", data=res.stderr)
-            yield ExecEvent(kind="exit", result=res)
-            return
         stdin = req.stdin.encode() if req.stdin is not None else None
+        if rec.info.isolation == "gvisor":
+            t0 = time.perf_counter()
+            with self._active(sandbox_id):
+                gstream = self._gvisor_stream(sandbox_id, argv, env, cwd, timeout, stdin)
+                async with contextlib.aclosing(gstream):
+                    async for g in gstream:
+                        if isinstance(g, RunscExit):
+                            yield ExecEvent(kind="exit", result=ExecResult(
+                                exit_code=g.code, duration=time.perf_counter() - t0, timed_out=g.timed_out))
+                        else:
+                            yield ExecEvent(kind=g[0], data=_decode(g[1]))  # type: ignore[arg-type]
+            return
         with self._active(sandbox_id):
             stream = ac.agent_exec_stream(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd,
                                           timeout=timeout, stdin=stdin)

@@ -157,12 +157,18 @@ class OciRuntime:
                 ids.add(p.name.removesuffix(".state").split("_sandbox:", 1)[1])
         return sorted(ids)
 
-    def exec_argv(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
-        """argv that runs a command through the runtime's own exec (gVisor path / fallback)."""
-        args = [*self._base(), "exec", "--cwd", cwd]
+    def exec_argv(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str,
+                  extra: list[str] | None = None) -> list[str]:
+        """argv that runs a command through the runtime's own exec (gVisor path / fallback);
+        ``extra``: more ``exec`` options (e.g. runsc's ``--internal-pid-file``)."""
+        args = [*self._base(), "exec", "--cwd", cwd, *(extra or [])]
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
         return [*args, sandbox_id, *argv]
+
+    def kill_argv(self, sandbox_id: str, pid: int, sig: str) -> list[str]:
+        """argv that signals one process of the sandbox by its sandbox-internal PID (runsc)."""
+        return [*self._base(), "kill", "--pid", str(pid), sandbox_id, sig]
 
 
 # Debian's runsc 2022-12 decides "root network namespace" by whether

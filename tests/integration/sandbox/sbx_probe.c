@@ -67,6 +67,20 @@ static int do_unshare_user(void) { return unshare(CLONE_NEWUSER); }
 static int do_unshare_ns(void) { return unshare(CLONE_NEWNS); }
 static int do_unshare_net(void) { return unshare(CLONE_NEWNET); }
 static int do_chroot(void) { return chroot("/tmp"); }
+/* `unshare -U -r` (a user namespace mapping us to root, with every capability in it),
+   then a raw or packet socket: gVisor's Sentry used to grant them (issue 18 #10). */
+static int userns_socket(int domain, int type, int proto) {
+    if (unshare(CLONE_NEWUSER) == 0) {
+        write_file("/proc/self/setgroups", "deny");
+        write_file("/proc/self/uid_map", "0 0 1");
+        write_file("/proc/self/gid_map", "0 0 1");
+    }
+    return socket(domain, type, proto);
+}
+static int do_userns_raw(void) { return userns_socket(AF_INET, SOCK_RAW, IPPROTO_ICMP); }
+static int do_userns_raw6(void) { return userns_socket(AF_INET6, SOCK_RAW, IPPROTO_ICMPV6); }
+static int do_userns_packet(void) { return userns_socket(AF_PACKET, SOCK_RAW, htons(ETH_P_ALL)); }
+static int do_userns_packet_dgram(void) { return userns_socket(AF_PACKET, SOCK_DGRAM, htons(ETH_P_IP)); }
 static int do_setns(void) {
     int fd = open("/proc/self/ns/net", O_RDONLY);
     if (fd < 0) return -1;
@@ -158,6 +172,10 @@ int main(void) {
     /* raw network */
     report("raw_socket", socket(AF_INET, SOCK_RAW, IPPROTO_ICMP));
     report("packet_socket", socket(AF_PACKET, SOCK_RAW, htons(ETH_P_ALL)));
+    report("userns_raw_socket", in_child(do_userns_raw));
+    report("userns_raw6_socket", in_child(do_userns_raw6));
+    report("userns_packet_socket", in_child(do_userns_packet));
+    report("userns_packet_dgram_socket", in_child(do_userns_packet_dgram));
     /* /proc/sys, /sys, cgroups */
     report("write_proc_sys_hostname", write_file("/proc/sys/kernel/hostname", "evil"));
     report("write_proc_sys_vm", write_file("/proc/sys/vm/drop_caches", "3"));

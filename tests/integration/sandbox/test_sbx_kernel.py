@@ -85,6 +85,25 @@ async def test_raw_and_packet_sockets_denied(probe, tier):
     assert probe["ctl_tcp_socket"] == probe["ctl_udp_socket"] == "OK"
 
 
+async def test_raw_and_packet_sockets_denied_after_unshare_user(probe, tier):
+    """Issue 18 #10: `unshare -U -r` (a user namespace where we are root with every
+    capability) must not open raw IPv4/IPv6 or AF_PACKET sockets. gVisor's Sentry used to
+    grant them; now `dsec-init run` installs a filter (no new namespaces, no raw/packet
+    sockets) before every exec, so both steps fail with EPERM on both tiers."""
+    _closed(probe, ["userns_raw_socket", "userns_raw6_socket", "userns_packet_socket",
+                    "userns_packet_dgram_socket"], tier, seccomp_eperm=True)
+    assert probe["userns_raw_socket"] == "EPERM", probe["userns_raw_socket"]
+    assert probe["ctl_tcp_socket"] == probe["ctl_udp_socket"] == "OK"
+
+
+async def test_unshare_user_denied_by_shell_tool(node, tier):
+    """The same through the shell tool an agent would use: busybox `unshare -U -r` fails,
+    so nothing runs with a user namespace's capabilities."""
+    info = await make(node, tier)
+    r = await sh(node, info.id, "unshare -U -r id -u; echo rc=$?")
+    assert "rc=0" not in r.stdout and "Operation not permitted" in r.stderr, r
+
+
 async def test_proc_sys_sys_and_cgroup_writes_denied(probe, tier):
     """/proc/sys (hostname, vm.drop_caches), /proc/sysrq-trigger, /sys (class, kernel) and
     the cgroup tree cannot be written: read-only or masked, whatever the caps say."""

@@ -26,8 +26,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -279,6 +284,95 @@ static void kill_tree(pid_t pgid, pid_t main_child, int *main_status, int *main_
             while (read(sigfd, &si, sizeof si) > 0) {}
         }
     }
+}
+
+/*
+ * Run mode (the gVisor tier's exec path): without PR_SET_CHILD_SUBREAPER (gVisor 2022-12
+ * answers EINVAL) an orphan of the tree re-parents to PID 1, where kill_tree cannot see
+ * it. So first freeze every descendant while the ppid links still lead to us: SIGSTOP
+ * each one found by a /proc walk (a stopped process cannot fork any more) and rescan
+ * until no new one appears, then SIGKILL them all. setsid'd daemons are caught too.
+ */
+static pid_t frozen[8192];
+static void freeze_and_kill_descendants(void)
+{
+    static char mine[8192];
+    int nfrozen = 0;
+    pid_t self = getpid();
+    for (int round = 0; round < 100; round++) {
+        int m = scan_proc(scan_pids, scan_ppids, 8192), fresh = 0;
+        memset(mine, 0, sizeof mine);
+        for (int grew = 1; grew;) {  /* closure of the ppid links below us */
+            grew = 0;
+            for (int i = 0; i < m; i++) {
+                if (mine[i]) continue;
+                int ours = scan_ppids[i] == self;
+                for (int j = 0; !ours && j < m; j++) ours = mine[j] && scan_pids[j] == scan_ppids[i];
+                if (ours) { mine[i] = 1; grew = 1; }
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            if (!mine[i]) continue;
+            int seen = 0;
+            for (int k = 0; k < nfrozen && !seen; k++) seen = frozen[k] == scan_pids[i];
+            if (seen || nfrozen >= 8192) continue;
+            kill(scan_pids[i], SIGSTOP);
+            frozen[nfrozen++] = scan_pids[i];
+            fresh = 1;
+        }
+        if (!fresh) break;
+    }
+    for (int k = 0; k < nfrozen; k++) kill(frozen[k], SIGKILL);
+}
+
+/*
+ * Run mode's own syscall filter, installed in the command's process before exec (with
+ * no_new_privs). On gVisor runsc applies no OCI seccomp profile to `runsc exec`
+ * processes, and its Sentry lets `unshare(CLONE_NEWUSER)` hand out CAP_NET_RAW that
+ * then opens raw and packet sockets. This closes that path on every tier: no new
+ * namespaces (unshare, setns, clone with namespace flags; clone3 is ENOSYS so libc
+ * falls back to clone), no AF_PACKET sockets, no SOCK_RAW IPv4/IPv6 sockets, no
+ * non-x86_64 syscall ABI. Everything else is left to the tier's own policy.
+ */
+#define NS_CLONE_FLAGS 0x7E020000u  /* NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET */
+#define ARG_LO(i) (offsetof(struct seccomp_data, args) + 8 * (i))  /* x86_64: low word first */
+#define RET_ERRNO(e) BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (e))
+#define LOAD(off) BPF_STMT(BPF_LD | BPF_W | BPF_ABS, (off))
+#define IF_EQ(v, t, f) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (v), (t), (f))
+static int install_run_filter(void)
+{
+    struct sock_filter f[] = {
+        LOAD(offsetof(struct seccomp_data, arch)),
+        IF_EQ(AUDIT_ARCH_X86_64, 1, 0),
+        RET_ERRNO(EPERM),
+        LOAD(offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000u, 0, 1),  /* x32 ABI */
+        RET_ERRNO(EPERM),
+        IF_EQ(__NR_unshare, 0, 1),
+        RET_ERRNO(EPERM),
+        IF_EQ(__NR_setns, 0, 1),
+        RET_ERRNO(EPERM),
+        IF_EQ(__NR_clone3, 0, 1),
+        RET_ERRNO(ENOSYS),
+        IF_EQ(__NR_clone, 0, 3),
+        LOAD(ARG_LO(0)),
+        BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, NS_CLONE_FLAGS, 0, 11),  /* no ns flag: allow */
+        RET_ERRNO(EPERM),
+        IF_EQ(__NR_socket, 0, 9),
+        LOAD(ARG_LO(0)),
+        IF_EQ(AF_PACKET, 0, 1),
+        RET_ERRNO(EPERM),
+        IF_EQ(AF_INET, 1, 0),
+        IF_EQ(AF_INET6, 0, 4),
+        LOAD(ARG_LO(1)),
+        BPF_STMT(BPF_ALU | BPF_AND | BPF_K, 0xf),  /* the type without SOCK_NONBLOCK/CLOEXEC */
+        IF_EQ(SOCK_RAW, 0, 1),
+        RET_ERRNO(EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = { .len = (unsigned short)(sizeof f / sizeof f[0]), .filter = f };
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
 }
 
 static int make_sigfd(const int *sigs, int n)
@@ -876,6 +970,10 @@ static int run_main(int argc, char **argv)
         extern char **environ;
         reset_signals();
         setsid();
+        if (install_run_filter() < 0) {  /* fail closed: never run the command unfiltered */
+            dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+            _exit(125);
+        }
         exec_command(argv + i, environ, cwd, 2);
     }
     int64_t deadline = timeout_ms ? now_ms(CLOCK_MONOTONIC) + timeout_ms : 0;
@@ -893,6 +991,7 @@ static int run_main(int argc, char **argv)
         while (read(sigfd, &si, sizeof si) == (ssize_t)sizeof si) {
             if (si.ssi_signo != SIGCHLD) {
                 /* the caller cancelled us: the command tree goes with us */
+                freeze_and_kill_descendants();
                 kill_tree(child, child, &status, &done, sigfd);
                 return 128 + (int)si.ssi_signo;
             }
@@ -902,6 +1001,7 @@ static int run_main(int argc, char **argv)
         while ((p = waitpid(-1, &st, WNOHANG)) > 0)
             if (p == child) return status_to_code(st);
         if (deadline && now_ms(CLOCK_MONOTONIC) >= deadline) {
+            freeze_and_kill_descendants();
             kill_tree(child, child, &status, &done, sigfd);
             dprintf(2, "\ndsec-init: timeout: command exceeded %ld ms; process tree killed\n", timeout_ms);
             return 124;
