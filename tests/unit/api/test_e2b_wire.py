@@ -42,6 +42,15 @@ def test_connect_timeout_header() -> None:
             w.parse_timeout_ms(bad)
 
 
+def test_command_timeout() -> None:
+    """E2B's timeout=0 (no header) is no limit, not DSec's 60 s exec default; a given
+    timeout ends the command just before the client's deadline."""
+    assert w.command_timeout(None) == 24 * 3600
+    assert w.command_timeout(60.0) == pytest.approx(59.95)
+    assert w.command_timeout(0.1) == pytest.approx(0.09)
+    assert w.command_timeout(10 ** 7) == 24 * 3600
+
+
 def test_error_mapping_tells_a_dead_sandbox_from_a_missing_file() -> None:
     """The SDK raises SandboxNotRunning for 'was not found' + unavailable, FileNotFound for
     not_found: a NotFound about the sandbox must become the first, one about a path the second."""

@@ -129,6 +129,24 @@ def parse_timeout_ms(value: str | None) -> float | None:
     return int(value) / 1000 or None
 
 
+MAX_COMMAND_S = 24 * 3600.0
+"""Longest command (ExecRequest's bound); what E2B's timeout=0 (no limit) maps to."""
+TIMEOUT_MARGIN_S = 0.05
+"""A command's timeout is its stream's Connect-Timeout-Ms less this (at most a tenth)."""
+
+
+def command_timeout(stream_timeout_s: float | None) -> float:
+    """The exec timeout of a command whose stream carries ``Connect-Timeout-Ms``.
+
+    No header is E2B's timeout=0, "no limit": the longest exec DSec runs (the sandbox's
+    own timeout still ends it), not the native default for an exec without a timeout.
+    Otherwise the command ends a little before the client's own deadline, so the timeout
+    is reported (and audited, counted) by the server rather than the stream being cut."""
+    if stream_timeout_s is None:
+        return MAX_COMMAND_S
+    return min(stream_timeout_s - min(TIMEOUT_MARGIN_S, stream_timeout_s / 10), MAX_COMMAND_S)
+
+
 # --- envd access token ----------------------------------------------------------------
 
 def envd_token(tenant_name: str, tenant_token_hash: str, sandbox_id: str) -> str:
