@@ -1,0 +1,1 @@
+"""Adapters that let other agent frameworks run their tools in DSec sandboxes."""
