@@ -224,6 +224,29 @@ async def test_async_sdk_lifecycle_commands_and_files(server: Server, env: dict[
         assert await h.kill() is True
         with pytest.raises(CommandExitException):
             await h.wait()
+        # As in E2B a command outlives its client's stream: connect() re-attaches, kill() ends it.
+        h = await sb.commands.run("sleep 0.5; echo on > /tmp/flag; sleep 60", background=True)
+        await h.disconnect()
+        for _ in range(100):
+            if await sb.files.exists("/tmp/flag"):
+                break
+            await asyncio.sleep(0.05)
+        assert await sb.files.read("/tmp/flag") == "on\n"
+        assert h.pid in [p.pid for p in await sb.commands.list()]
+        h2 = await sb.commands.connect(h.pid)
+        assert await sb.commands.kill(h.pid) is True
+        with pytest.raises(CommandExitException) as ei:
+            await h2.wait()
+        assert ei.value.exit_code == -1 and h.pid not in [p.pid for p in await sb.commands.list()]
+        h = await sb.commands.run("sleep 60", background=True)
+        await h.disconnect()
+        assert await sb.commands.kill(h.pid) is True  # a detached command can be killed too
+        for _ in range(100):
+            if h.pid not in [p.pid for p in await sb.commands.list()]:
+                break
+            await asyncio.sleep(0.05)
+        assert h.pid not in [p.pid for p in await sb.commands.list()]
+
         h = await sb.commands.run("sleep 0.1; echo fine", background=True)
         assert (await h.wait()).stdout == "fine\n"
         with pytest.raises(TimeoutException):

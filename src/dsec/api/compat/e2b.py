@@ -16,10 +16,10 @@ the native routes (tenancy, image allow-lists, quotas, audit, metrics):
 
 Both authenticate before reading a byte of the body, and read bodies with a bound. A
 sandbox of another tenant is 404 (REST) / "was not found" (envd), like a missing one.
-Commands: each ``commands.run`` is one streamed exec; a background command lives as long
-as its stream (``kill()`` ends it; so does closing the stream — unlike E2B, where a
-disconnected command keeps running). PTY, stdin streaming, ``commands.connect`` and
-directory watches answer ``unimplemented``.
+Commands: each ``commands.run`` is one streamed exec; as in E2B a command outlives its
+stream (a disconnected client can ``commands.connect`` again, ``commands.kill`` it) and
+ends at its exit, its timeout (enforced: the command is killed), a kill, or its sandbox's
+end. PTY, stdin streaming and directory watches answer ``unimplemented``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ MAX_JSON_BODY = 1 << 20
 KEEPALIVE_S = 50.0
 """Default seconds between keepalive events on a quiet command stream (the SDK asks with
 ``Keepalive-Ping-Interval``)."""
+ATTACH_GRACE_S = 10.0
+"""A command whose response stream has not started this long after it was answered is
+treated as detached (its client vanished before the body began)."""
 TOKEN_CACHE_S = 30.0
 """How long a verified envd token is trusted without re-reading its tenant record."""
 MAX_LIST_ENTRIES = 10_000
@@ -209,7 +212,9 @@ def rest_router() -> APIRouter:
 @dataclass(eq=False)
 class _Command:
     """One E2B command: a streamed exec through the service, pumped into a bounded queue
-    (backpressure on output floods) so that ``SendSignal`` can end it from another request."""
+    (backpressure on output floods), so that it outlives its stream as in E2B: when the
+    client goes away the output is drained and the command runs on until it exits, times
+    out, is killed (``SendSignal``) or its sandbox ends; ``Connect`` re-attaches to it."""
 
     pid: int
     tenant: str
@@ -218,6 +223,10 @@ class _Command:
     queue: asyncio.Queue[Any] = field(default_factory=lambda: asyncio.Queue(maxsize=64))
     task: asyncio.Task[None] | None = None
     signal: int | None = None
+    attached: bool = False
+    started: bool = False  # the attached client's stream body has begun
+    attachments: int = 0
+    drainer: asyncio.Task[None] | None = None
 
 
 async def _pump(events: AsyncIterator[ExecEvent], queue: asyncio.Queue[Any]) -> None:
@@ -372,11 +381,28 @@ class EnvdService:
         cmd = _Command(next(self._pids), tenant.name, sid, req.process)
         cmd.task = asyncio.create_task(_pump(events, cmd.queue), name=f"e2b-cmd-{sid}-{cmd.pid}")
         self._commands[(sid, cmd.pid)] = cmd
+        return self._attach(cmd, request)
+
+    def _attach(self, cmd: _Command, request: Request) -> StreamingResponse:
+        cmd.attached, cmd.started = True, False
+        cmd.attachments += 1
+        # A client that vanishes before the response body starts never runs the stream's
+        # cleanup: if it has not started by then, the command is detached.
+        asyncio.get_running_loop().call_later(ATTACH_GRACE_S, self._detach_if_unstarted, cmd, cmd.attachments)
         interval = _keepalive_interval(request.headers.get("keepalive-ping-interval"))
-        return StreamingResponse(self._command_stream(cmd, interval),
-                                 media_type="application/connect+json")
+        return StreamingResponse(self._command_stream(cmd, interval), media_type="application/connect+json")
+
+    def _detach_if_unstarted(self, cmd: _Command, attachment: int) -> None:
+        if cmd.attachments == attachment and cmd.attached and not cmd.started:
+            cmd.attached = False
+            cmd.drainer = asyncio.create_task(self._drain(cmd), name=f"e2b-drain-{cmd.pid}")
 
     async def _command_stream(self, cmd: _Command, keepalive: float) -> AsyncIterator[bytes]:
+        if not cmd.attached:  # detached already (see _attach): another client owns it now
+            yield w.end_stream(("unavailable", f"command {cmd.pid} was detached before its stream started"))
+            return
+        cmd.started = True
+        finished = False
         try:
             yield w.envelope(w.start_event(cmd.pid))
             while True:
@@ -389,8 +415,10 @@ class EnvdService:
                         yield w.envelope(w.keepalive_event())
                         continue
                 if item is _STREAM_END:
+                    finished = True
                     break
                 if isinstance(item, DSecError):
+                    finished = True
                     yield w.end_stream(w.connect_error(item, cmd.sandbox_id))
                     return
                 ev: ExecEvent = item
@@ -398,6 +426,7 @@ class EnvdService:
                     if ev.data:
                         yield w.envelope(w.data_event(ev.kind, ev.data))
                     continue
+                finished = True
                 res = ev.result
                 if res is not None and res.timed_out:
                     yield w.end_stream(("deadline_exceeded",
@@ -412,9 +441,34 @@ class EnvdService:
             else:
                 yield w.end_stream(("unavailable", "the command stream ended without an exit status"))
         finally:
-            self._commands.pop((cmd.sandbox_id, cmd.pid), None)
-            if cmd.task is not None and not cmd.task.done():
-                cmd.task.cancel()  # client went away: the agent kills the command's process tree
+            cmd.attached = False
+            if finished:
+                self._commands.pop((cmd.sandbox_id, cmd.pid), None)
+            else:  # the client went away (disconnect, its deadline): the command runs on
+                cmd.drainer = asyncio.create_task(self._drain(cmd), name=f"e2b-drain-{cmd.pid}")
+
+    async def _drain(self, cmd: _Command) -> None:
+        """Discard a detached command's output until it ends (keeps its pipes flowing)."""
+        while (await cmd.queue.get()) is not _STREAM_END:
+            pass
+        self._commands.pop((cmd.sandbox_id, cmd.pid), None)
+
+    # process.Process/Connect
+    async def connect(self, request: Request, tenant: TenantRecord, sid: str, raw: bytes) -> Response:
+        req: w.ConnectRequest = _validated(w.ConnectRequest, raw)
+        pid = req.process.pid
+        if pid is None:
+            raise InvalidArgument("select the process by pid (tags are not supported)", field="process.pid")
+        await self.svc.sandboxes.get(tenant, sid)  # ownership / liveness
+        cmd = self._commands.get((sid, pid))
+        if cmd is None or cmd.tenant != tenant.name or (cmd.drainer is not None and cmd.drainer.done()):
+            raise NotFound(f"no running command with pid {pid} in sandbox {sid}", path=f"pid:{pid}")
+        if cmd.attached:
+            raise w.AlreadyExists(f"command {pid} already has a client attached; disconnect it first")
+        if cmd.drainer is not None:
+            cmd.drainer.cancel()  # a cancelled queue.get() loses nothing
+            cmd.drainer = None
+        return self._attach(cmd, request)
 
     # process.Process/SendSignal
     async def send_signal(self, tenant: TenantRecord, sid: str, raw: bytes) -> dict[str, Any]:
@@ -524,7 +578,8 @@ def _keepalive_interval(value: str | None) -> float:
 _StreamHandler = Callable[[EnvdService, Request, TenantRecord, str, bytes], Awaitable[Response]]
 _UnaryHandler = Callable[[EnvdService, TenantRecord, str, bytes], Awaitable[dict[str, Any]]]
 
-_STREAMS: dict[str, _StreamHandler] = {"process.Process/Start": EnvdService.start}
+_STREAMS: dict[str, _StreamHandler] = {"process.Process/Start": EnvdService.start,
+                                        "process.Process/Connect": EnvdService.connect}
 _UNARY: dict[str, _UnaryHandler] = {
     "process.Process/SendSignal": EnvdService.send_signal,
     "process.Process/List": EnvdService.list_processes,

@@ -276,6 +276,11 @@ class ProcessSelector(BaseModel):
     tag: str | None = None
 
 
+class ConnectRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    process: ProcessSelector
+
+
 class SendSignalRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     process: ProcessSelector
