@@ -306,6 +306,33 @@ def test_tenants_are_apart_and_quotas_apply(server: Server, env: dict[str, str],
         mine.kill()
 
 
+@pytest.mark.gvisor
+def test_gvisor_sandbox_through_e2b_connect(server: Server, env: dict[str, str]) -> None:
+    """A gVisor-tier sandbox (created natively: E2B's create has no isolation option) works
+    through the E2B SDK after Sandbox.connect: commands, kill, files."""
+    from dsec.sdk import Client
+    from dsec.sdk import Sandbox as DSecSandbox
+
+    with Client(server.url, server.token) as c, DSecSandbox.create(image=IMAGE, isolation="gvisor", client=c) as native:
+        sb = Sandbox.connect(native.id)
+        r = sb.commands.run("echo $((6*7)); echo e >&2; uname -r", cwd="/tmp")
+        assert r.stdout.startswith("42\n") and r.stderr == "e\n"
+        with pytest.raises(CommandExitException) as ei:
+            sb.commands.run("exit 5")
+        assert ei.value.exit_code == 5
+        h = sb.commands.run("sleep 60", background=True)
+        t0 = time.monotonic()
+        assert h.kill() is True
+        with pytest.raises(CommandExitException):
+            h.wait()
+        assert time.monotonic() - t0 < 10
+        sb.files.write("/tmp/g.bin", ALL_BYTES)
+        assert bytes(sb.files.read("/tmp/g.bin", format="bytes")) == ALL_BYTES
+        sb.files.rename("/tmp/g.bin", "/tmp/h.bin")
+        assert sb.files.exists("/tmp/h.bin") and not sb.files.exists("/tmp/g.bin")
+        assert native.info.isolation == "gvisor"
+
+
 def _raw_status(url: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
     """POST with the given headers and NO body bytes at all: only a server that answers
     before reading the body can reply (it would otherwise wait for 10 GiB)."""
