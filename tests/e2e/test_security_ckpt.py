@@ -160,3 +160,31 @@ def test_sparse_file_episode_step_is_bounded(server: Server, api: httpx.Client) 
         assert api.get("/v1/episodes/sparse-ep").json()["steps"] == 2
     finally:
         api.delete("/v1/episodes/sparse-ep", headers=hdr)
+
+
+def test_layers_swept_after_restored_sandbox_expires(server: Server, api: httpx.Client) -> None:
+    """A restored sandbox that dies by its TTL (no kill call) does not leave its unpacked
+    layers behind: the teardown schedules a sweep, even while the checkpoint still exists."""
+    import time
+
+    layers = server.home / "ckpt-layers"
+    sid = _create(api, "container")
+    try:
+        _exec(api, sid, "echo ttl > /ttl-file")
+        r = api.post(f"/v1/sandboxes/{sid}/checkpoints")
+        assert r.status_code == 201, r.text
+        ck = r.json()["id"]
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+    r = api.post(f"/v1/checkpoints/{ck}/restore", json={"timeout": 3})
+    assert r.status_code == 201, r.text
+    sid2 = r.json()["id"]
+    assert _exec(api, sid2, "cat /ttl-file")["stdout"] == "ttl\n"
+    assert [p for p in layers.iterdir() if not p.name.startswith(".")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and [p for p in layers.iterdir() if not p.name.startswith(".")]:
+        time.sleep(1)
+    left = [p.name for p in layers.iterdir()]
+    assert left == [], left
+    assert api.get(f"/v1/sandboxes/{sid2}").json().get("state") in (None, "destroyed", "stopped")
+    assert api.delete(f"/v1/checkpoints/{ck}").status_code == 204

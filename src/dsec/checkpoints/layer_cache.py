@@ -167,6 +167,11 @@ class LayerCache:
             log.info("removed %d unused checkpoint layer dirs from %s", n, self.root)
         return n
 
+    @property
+    def maybe_entries(self) -> bool:
+        """False once a sweep left the cache empty (and nothing was unpacked since)."""
+        return self._maybe_entries
+
     async def gc(self) -> int:
         if not self._maybe_entries:
             return 0
