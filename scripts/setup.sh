@@ -8,8 +8,16 @@ ROOT=$(pwd)
 
 say() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
 
+# Root only (packages, mounts, cgroups, namespaces). A root shell needs no sudo (and a
+# container or VM image often has none); a non-root user is told what to run.
 if [ "$(id -u)" != 0 ]; then
-  echo "scripts/setup.sh must run as root (sandboxes need mounts, cgroups and namespaces): sudo $0" >&2
+  self="scripts/$(basename "$0")"
+  echo "$self must run as root: it installs system packages, and sandboxes need mounts, cgroups and namespaces." >&2
+  if command -v sudo >/dev/null 2>&1; then
+    echo "Run:  sudo $self${*:+ $*}" >&2
+  else
+    echo "Run it from a root shell (no sudo here):  su -c '$self${*:+ $*}'" >&2
+  fi
   exit 1
 fi
 
