@@ -98,7 +98,10 @@ def enable_preemption(services: Services, checkpoints: Any) -> None:
 def uvicorn_config(app: Any, settings: Settings, host: str, port: int, log_level: str = "info") -> Any:
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+    from dsec.api.conn_guard import guarded_protocol
+
+    # httptools with a header deadline and a per-client cap on half-sent requests (issue 18 #12).
+    return uvicorn.Config(app, host=host, port=port, loop="uvloop", http=guarded_protocol(settings), lifespan="on",
                           log_level=log_level, timeout_graceful_shutdown=int(settings.api_shutdown_grace_s),
                           backlog=4096, access_log=False, server_header=False,
                           # Longer than the SDK's idle expiry: the server must never close a pooled
