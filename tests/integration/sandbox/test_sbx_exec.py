@@ -98,10 +98,11 @@ async def test_streaming_delivers_output_then_exit(node, tier):
         assert len([e for e in events if e.kind != "exit"]) >= 3
 
 
-async def test_closing_a_stream_cancels_the_command(node):
+async def test_closing_a_stream_cancels_the_command(node, tier):
     """Leaving an exec stream early (the caller went away) kills that command's tree
-    (runc tier: the agent connection closes) and the sandbox keeps serving."""
-    info = await make(node, "container")
+    (runc tier: the agent connection closes; gVisor: `runsc kill --pid` of its
+    `dsec-init run`) and the sandbox keeps serving."""
+    info = await make(node, tier)
     stream = node.exec_stream(info.id, ExecRequest(cmd="echo started; sleep 305 & sleep 306"))
     async with contextlib.aclosing(stream):
         async for ev in stream:
