@@ -531,7 +531,7 @@ class EpisodeEngine:
                     await self.sandboxes.drop(live.id, live.sandbox_id)
                 await self._close_journal(live, remove=True)
         await self.sandboxes.reaped(episode_id)
-        await self.layers.gc()
+        self.layers.sweep_soon()  # debounced: episodes close at RL rates
 
     async def purge(self, key_prefix: str) -> int:
         """Delete every episode whose key starts with ``key_prefix`` (a removed tenant's,

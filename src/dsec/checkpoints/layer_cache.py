@@ -82,6 +82,8 @@ class LayerCache:
         # nothing until the next restore unpacks something.
         self._maybe_entries = True
         self._made = 0  # materialize calls so far: a sweep clears the flag only if none came meanwhile
+        self._pending: dict[float, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
+        self._tasks: set[asyncio.Task[int]] = set()
 
     @classmethod
     def at(cls, root: Path, grace_s: float) -> LayerCache:
@@ -167,10 +169,26 @@ class LayerCache:
             log.info("removed %d unused checkpoint layer dirs from %s", n, self.root)
         return n
 
-    @property
-    def maybe_entries(self) -> bool:
-        """False once a sweep left the cache empty (and nothing was unpacked since)."""
-        return self._maybe_entries
+    def sweep_soon(self) -> None:
+        """Sweep a little later (after a teardown's unmount), debounced: at most one sweep
+        pending per delay, whatever the teardown rate. The later one catches a slow unmount."""
+        if not self._maybe_entries:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for delay in (2.0, 15.0):
+            pending = self._pending.get(delay)
+            if pending is not None and pending[0] is loop and not pending[1].cancelled():
+                continue
+
+            def fire(d: float = delay) -> None:
+                self._pending.pop(d, None)
+                task = loop.create_task(self.gc())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._pending[delay] = (loop, loop.call_later(delay, fire))
 
     async def gc(self) -> int:
         if not self._maybe_entries:

@@ -110,26 +110,13 @@ class SandboxCheckpoints:
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
         self.layers = LayerCache.at(self.cache_dir, settings.checkpoint_layer_gc_grace_s)
         self._tracked: dict[str, _Tracked] = {}
-        self._sweeps: set[asyncio.Task[int]] = set()
         hooks = getattr(getattr(node, "manager", None), "before_teardown", None)
         if isinstance(hooks, list):  # TTL, reaper, lease: every teardown, not only API kills
             hooks.append(self._sweep_after_teardown)
 
     def _sweep_after_teardown(self, sandbox_id: str) -> None:
         """Teardown hook (runs before the unmount): sweep unused layers shortly after it."""
-        if not self.layers.maybe_entries:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-
-        def sweep() -> None:
-            task = loop.create_task(self.layers.gc())
-            self._sweeps.add(task)
-            task.add_done_callback(self._sweeps.discard)
-        for delay in (2.0, 15.0):  # a slow unmount (gVisor) is caught by the second one
-            loop.call_later(delay, sweep)
+        self.layers.sweep_soon()
 
     # --- checkpoint ----------------------------------------------------------------
     async def checkpoint(self, tenant: str, sandbox_id: str) -> CheckpointInfo:
@@ -302,10 +289,9 @@ class SandboxCheckpoints:
         return sum(1 for k in keys if "/units/" in k)
 
     async def forget_sandbox(self, sandbox_id: str) -> None:
-        """Drop a killed sandbox's base record and tracker; sweep layers it no longer mounts."""
+        """Drop a killed sandbox's base record and tracker (its teardown scheduled the sweep)."""
         self._tracked.pop(sandbox_id, None)
         try:
             await asyncio.to_thread(self.store.delete, _BASES + sandbox_id)
         except errors.NotFound:
             pass
-        await self.layers.gc()

@@ -110,3 +110,20 @@ def test_layer_roundtrip_unchanged_by_streaming() -> None:
     nodes = read_layer(write_layer({"d": Node(info=d, opaque=True), "d/f": Node(info=f, data=b"hello"),
                                     "gone": Node(info=None, whiteout=True)}))
     assert nodes["d"].opaque and nodes["d/f"].data == b"hello" and nodes["gone"].whiteout
+
+
+def test_sweep_soon_is_debounced(tmp_path: Path) -> None:
+    """A burst of teardowns schedules at most one sweep per delay (not one per teardown)."""
+    import asyncio
+
+    from dsec.checkpoints.layer_cache import LayerCache
+
+    async def main() -> int:
+        cache = LayerCache(tmp_path / "layers", grace_s=0)
+        for _ in range(100):
+            cache.sweep_soon()
+        n = len(cache._pending)
+        for _, handle in cache._pending.values():
+            handle.cancel()
+        return n
+    assert asyncio.run(main()) == 2
