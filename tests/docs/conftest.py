@@ -37,7 +37,6 @@ class DocServer:
 @pytest.fixture(scope="module")
 def doc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocServer]:
     from e2e_server import ensure_images, reap_home, start_server
-
     from netlab import _free_octet
 
     home = tmp_path_factory.mktemp("doc-home")

@@ -60,7 +60,7 @@ def parse(path: Path) -> list[Block]:
         j = i + 1
         while j < len(lines) and not lines[j].strip().startswith(fence[0] * len(fence)):
             j += 1
-        body = "\n".join(x[len(indent):] if x.startswith(indent) else x for x in lines[i + 1:j])
+        body = "\n".join(x.removeprefix(indent) for x in lines[i + 1:j])
         k = i - 1
         while k >= 0 and not lines[k].strip():
             k -= 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def _substitute(block: Block, code: str, sandbox_id: str | None, web: object) ->
 def test_doc_block_runs(block: Block, doc_server, web, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The block runs to exit 0 with DSEC_URL/DSEC_TOKEN of a real server, placeholders
     (``doc_blocks.PLACEHOLDERS``) replaced by real objects."""
+    from dsec.errors import NotFound
     from dsec.sdk import Client, Sandbox
 
     srv = doc_server.srv
@@ -63,13 +65,12 @@ def test_doc_block_runs(block: Block, doc_server, web, tmp_path: Path) -> None: 
                 else [sys.executable, "-c", code])
         t0 = time.monotonic()
         try:
-            r = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+            r = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
+                               check=False)
         finally:
             if sandbox is not None:
-                try:
+                with contextlib.suppress(NotFound):  # the block may have killed it (dsec kill SB_ID)
                     c.kill(sandbox.id)
-                except Exception:  # noqa: BLE001 - the block may have killed it (dsec kill SB_ID)
-                    pass
     took = time.monotonic() - t0
     assert r.returncode == 0, (f"{block.id} ({block.kind}) exited {r.returncode} after {took:.1f}s\n--- code\n"
                                f"{code}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")

@@ -22,7 +22,8 @@ def test_non_root_is_told_what_to_run(script: str, tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     (tmp_path / "scripts").chmod(0o755)
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash",
-                        f"scripts/{script}", "--no-images"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                        f"scripts/{script}", "--no-images"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       check=False)
     assert r.returncode == 1 and r.stdout == ""
     assert f"scripts/{script} must run as root" in r.stderr
     want = f"sudo scripts/{script} --no-images" if shutil.which("sudo") else f"su -c 'scripts/{script} --no-images'"

@@ -358,6 +358,10 @@ def run_doctor(settings: Settings | None = None) -> Report:
     url = resolve_target().url
     ours = server.status == "ok" and f"{settings.host}:{settings.port}" in url
     checks = host_checks(settings, settings.host, settings.port, server_is_ours=ours)
+    if server.status == "ok" and not ours:  # a server runs elsewhere: the local port does not matter now
+        checks = [Check(name="port", status="skip", detail=f"a DSec server already answers at {url}; "
+                        f"{settings.host}:{settings.port} only matters to start another")
+                  if c.name == "port" else c for c in checks]
     checks += [server, token, *check_services(settings)]
     return Report(ok=all(c.status != "fail" for c in checks), checks=checks)
 

@@ -45,7 +45,7 @@ def _loaded_heavy(args: list[str], tmp_path: Path) -> list[str]:
     # Nothing listens there: the command takes its error path, which must be light too.
     env.update(DSEC_HOME=str(tmp_path), DSEC_URL=f"http://127.0.0.1:{_free_port()}")
     r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY)], env=env,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     return json.loads(r.stderr.strip().splitlines()[-1])
 
 
@@ -65,7 +65,7 @@ def test_help_lists_every_command_without_importing_it(tmp_path: Path) -> None:
     probe = ("import sys; sys.argv=['dsec','--help']\nfrom dsec.cli.main import app\ntry: app()\n"
              "except SystemExit: pass\nprint(sorted(m for m in sys.modules if m.startswith('dsec.cli.') "
              "and m not in ('dsec.cli.main',)), file=sys.__stderr__)")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
     for name, (_, helptext) in COMMANDS.items():
         assert name in r.stdout and helptext.split()[0] in r.stdout
     assert r.stderr.strip().splitlines()[-1] == "[]"
