@@ -150,6 +150,7 @@ def test_sparse_file_over_the_limit_is_refused_before_reading(srv: Server, clien
             with pytest.raises(PayloadTooLarge, match="apparent"):
                 sb.files.read("/tmp/sp/big")
         assert time.monotonic() - t0 < 5
+        print(f"peak RSS growth: {peak.growth_mib:.1f} MiB")
         assert peak.growth_mib < 32, f"server peak RSS grew {peak.growth_mib:.0f} MiB"
 
 
@@ -202,6 +203,7 @@ def test_sparse_file_under_the_limit_streams_in_bounded_memory(srv: Server, clie
                         n += len(chunk)
                         last = (last + chunk)[-16:]
                     assert n == size and last.endswith(b"tail\n")
+        print(f"peak RSS growth: {peak.growth_mib:.1f} MiB")
         assert peak.growth_mib < 100, f"server peak RSS grew {peak.growth_mib:.0f} MiB for a 512 MiB file"
 
 
@@ -219,6 +221,7 @@ def test_listing_is_paged_and_bounded(srv: Server, client: Client) -> None:
             with peak_rss_growth(srv.proc.pid) as peak:
                 first = h.get(url, params={"path": "/tmp/d"})
             assert first.status_code == 200 and len(first.json()) == 1000
+            print(f"peak RSS growth: {peak.growth_mib:.1f} MiB")
             assert peak.growth_mib < 32, f"server peak RSS grew {peak.growth_mib:.0f} MiB for one page"
             names = [e["name"] for e in first.json()]
             assert names == sorted(names)

@@ -55,6 +55,7 @@ def test_unauthenticated_bodies_are_never_read(srv: Server) -> None:
         results = list(ex.map(lambda t: attack(*t), targets))
     assert [st for st, _ in results] == [401] * 4, results
     assert all(pushed < (64 << 20) for _, pushed in results), results
+    print(f"peak RSS growth: {peak.growth_mib:.1f} MiB")
     assert peak.growth_mib < 32, f"server peak RSS grew {peak.growth_mib:.0f} MiB"
 
 
