@@ -129,7 +129,12 @@ def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
     The one line for ``create_app``: ``install_episodes(app, services)``.
     """
     from dsec.blobs import open_checkpoint_store
+    from dsec.checkpoints.migrate_keys import migrate_legacy_keys
     from dsec.checkpoints.nodehost import NodeEpisodeHost
-    engine = EpisodeEngine(services.settings, open_checkpoint_store(services.settings), NodeEpisodeHost(services.node))
+    s = services.settings
+    store = open_checkpoint_store(s)
+    # Tenants from before uids: their episodes/checkpoints move to uid keys (once, at start).
+    migrate_legacy_keys(services.state, store, s.checkpoint_journal_dir or s.home / "journals")
+    engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node))
     include_episodes(app, engine)
     return engine

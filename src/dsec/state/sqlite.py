@@ -52,7 +52,8 @@ class SqliteStateStore:
         (idempotency keys, sandbox ownership, hence its audit) from its name to the uid,
         in one transaction. Rows of a name with no tenant record (a tenant deleted before
         this upgrade) stay under the name: no uid ever equals a name, so they are orphaned.
-        Episodes and checkpoints in the blob store are NOT moved (docs/security.md)."""
+        Episodes and checkpoints in the blob store are moved at the next server start
+        (``legacy_keys``; dsec.checkpoints.migrate_keys)."""
         def legacy() -> list[TenantRecord]:
             recs = [TenantRecord.model_validate_json(b) for (b,) in self._db.execute("SELECT body FROM tenants")]
             return [r for r in recs if not r.uid]
@@ -61,7 +62,7 @@ class SqliteStateStore:
         self._db.execute("BEGIN IMMEDIATE")  # re-read under the write lock: another process may migrate too
         try:
             for rec in legacy():
-                rec.uid = new_tenant_uid()
+                rec.uid, rec.legacy_keys = new_tenant_uid(), True
                 self._db.execute("UPDATE tenants SET body=? WHERE name=?", (rec.model_dump_json(), rec.name))
                 self._db.execute("UPDATE idempotency SET tenant=? WHERE tenant=?", (rec.uid, rec.name))
                 self._db.execute("UPDATE sandboxes SET tenant=? WHERE tenant=?", (rec.uid, rec.name))

@@ -18,6 +18,9 @@ class TenantRecord(BaseModel):
                      "creation; every tenant-scoped datum is keyed by it, so a tenant re-created under the "
                      "same name starts empty. Empty only in a record written before uids existed "
                      "(SqliteStateStore assigns one when it opens the store)")
+    legacy_keys: bool = Field(False, description="Given its uid by the upgrade migration: its episodes and "
+                              "checkpoints may still be under its name in the blob store until the next "
+                              "server start moves them (dsec.checkpoints.migrate_keys)")
     token_hash: str = Field(..., description="sha256 hex of the token; the token itself is never stored")
     admin: bool = False
     max_sandboxes: int | None = Field(None, description="Max concurrent sandboxes (None = node limit)")
