@@ -51,6 +51,7 @@ class NetworkManager:
         self._fill_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        self._inflight: dict[int, asyncio.Future[None]] = {}  # slot -> build still in its thread
         self._guard = HostGuard(ipaddress.IPv4Network(settings.net_cidr),
                                 tuple(parse_node_addresses(settings.net_node_addresses)),
                                 tuple(parse_host_allow(settings.net_host_allow)))
@@ -94,6 +95,12 @@ class NetworkManager:
                 pass
             except Exception:
                 log.debug("pool filler ended with an error", exc_info=True)
+        if self._inflight:
+            builds = dict(self._inflight)
+            await asyncio.wait(builds.values())
+            for idx, fut in builds.items():  # built for the pool, never handed out
+                if fut.exception() is None and idx not in self._owner and idx not in self._ready:
+                    self._ready.append(idx)
         if self._nflog:
             asyncio.get_running_loop().remove_reader(self._nflog.fileno())
             self._nflog.close()
@@ -202,8 +209,13 @@ class NetworkManager:
 
     async def _build_one(self) -> int:
         idx = self._next_index()
+        # A cancelled caller cannot stop the worker thread: close() waits for it (a build
+        # racing the freed nft context would crash) and removes what it made.
+        fut = asyncio.get_running_loop().run_in_executor(None, self.ops.build, idx)
+        self._inflight[idx] = fut
+        fut.add_done_callback(lambda _: self._inflight.pop(idx, None))
         try:
-            await asyncio.to_thread(self.ops.build, idx)
+            await asyncio.shield(fut)
         finally:
             self._building.discard(idx)
         return idx

@@ -50,6 +50,8 @@ class Nft:
 
     def _run(self, script: str, json_out: bool) -> str:
         with self._lock:
+            if not self._ctx:  # closed: a pool build still in its worker thread must not touch freed memory
+                raise NftError("the nftables context is closed (network manager stopped)")
             _lib.nft_ctx_output_set_flags(self._ctx, _NFT_CTX_OUTPUT_JSON if json_out else 0)
             rc = _lib.nft_run_cmd_from_buffer(self._ctx, script.encode())
             out = (_lib.nft_ctx_get_output_buffer(self._ctx) or b"").decode()

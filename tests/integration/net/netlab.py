@@ -143,6 +143,7 @@ def lab() -> Iterator[Lab]:
             loop.close()
             _remove_remote(a)
             _remove_remote(b)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def netns_exec(att: NetAttachment, argv: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:

@@ -76,8 +76,10 @@ def test_nftables_refuses_host_addresses_even_if_listed(lab: Lab, sandboxes, san
 # --- an operator opening: a second network manager with net_host_allow set ------------------
 
 class Operator:
-    def __init__(self, mgr: NetworkManager, host_addr: str, open_port: int, closed_port: int) -> None:
+    def __init__(self, mgr: NetworkManager, host_addr: str, open_port: int, closed_port: int,
+                 peer: str) -> None:
         self.mgr, self.host_addr, self.open_port, self.closed_port = mgr, host_addr, open_port, closed_port
+        self.peer = peer  # a declared node address (a "cluster peer"): lab.b, TCP 8000 opened
 
 
 def _serve(addr: str, port: int, procs: list[subprocess.Popen]) -> None:
@@ -92,22 +94,25 @@ def _serve(addr: str, port: int, procs: list[subprocess.Popen]) -> None:
 @pytest.fixture(scope="module")
 def operator(lab: Lab) -> Iterator[Operator]:
     """A node whose operator opened lab.a.host_addr:<open_port> (a real host listener);
-    <closed_port> on the same address has a listener too but is not opened."""
+    <closed_port> on the same address has a listener too but is not opened. lab.b's
+    range is declared as node addresses (cluster peers); lab.b.addr:8000 is opened."""
     open_port, closed_port = random.sample(range(41000, 49000), 2)
     home = Path(tempfile.mkdtemp(prefix="dsec-net-op-"))
     octet = lab.settings.net_cidr.split(".")[2]
     settings = Settings(home=home, net_cidr=f"10.252.{octet}.0/24", net_slot_pool=1,
-                        net_host_allow=[f"{lab.a.host_addr}:{open_port}"])
+                        net_host_allow=[f"{lab.a.host_addr}:{open_port}", f"{lab.b.addr}:8000"],
+                        net_node_addresses=[lab.b.cidr])
     mgr = NetworkManager(settings)
     procs: list[subprocess.Popen] = []
     try:
         _serve(lab.a.host_addr, open_port, procs)
         _serve(lab.a.host_addr, closed_port, procs)
         lab.call(mgr.start())
-        yield Operator(mgr, lab.a.host_addr, open_port, closed_port)
+        op = Operator(mgr, lab.a.host_addr, open_port, closed_port, lab.b.addr)
+        yield op
     finally:
-        lab.call(mgr.reconcile(set()))
-        lab.call(mgr.close())
+        lab.call(op.mgr.reconcile(set()))
+        lab.call(op.mgr.close())
         for p in procs:
             p.kill()
             p.wait()
@@ -136,3 +141,44 @@ def test_operator_opening_reaches_exactly_that_port(lab: Lab, operator: Operator
     finally:
         lab.call(mgr.detach(named))
         lab.call(mgr.detach(wide))
+
+
+def test_declared_node_addresses_are_closed_like_the_host(lab: Lab, operator: Operator) -> None:
+    """Addresses the operator declares as the node's (net_node_addresses, e.g. cluster
+    peers) are routed, not local, yet get the host's treatment: 0.0.0.0/0 does not reach
+    them (while it reaches other remotes), naming an unopened port is a 422, and the
+    operator's opened IP:PORT works for a sandbox that names it."""
+    op, mgr = operator, operator.mgr
+    wide, named = _sid(), _sid()
+    att_wide = lab.call(mgr.attach(wide, ["0.0.0.0/0"]))
+    att = lab.call(mgr.attach(named, [f"{op.peer}:8000"]))
+    try:
+        assert tcp_probe(netns_exec, att_wide, lab.a.addr, 8000)  # an ordinary remote
+        assert not tcp_probe(netns_exec, att_wide, op.peer, 8000)
+        assert tcp_probe(netns_exec, att, op.peer, 8000)
+        with pytest.raises(InvalidArgument, match=op.peer.replace(".", r"\.")):
+            lab.call(mgr.update(named, [f"{op.peer}:22"]))
+        assert any(e.destination == op.peer and e.target == "host" for e in mgr.denied_events(wide))
+    finally:
+        lab.call(mgr.detach(wide))
+        lab.call(mgr.detach(named))
+
+
+def test_restart_rewrites_wider_chains_of_adopted_slots(lab: Lab, operator: Operator) -> None:
+    """A slot attached under an older rule set (here: a chain rule that accepts a host
+    address outright, as the code before this fix did for exact entries) is adopted at the
+    next start with this version's chains: the host listener closes again."""
+    op = operator
+    sid = _sid()
+    att = lab.call(op.mgr.attach(sid, [f"{op.host_addr}:{op.open_port}"]))
+    names, table = op.mgr.ops.names(att.slot), op.mgr.ops.params.table
+    op.mgr.ops.nft.run(f"insert rule inet {table} {names.chain_in} ip daddr {op.host_addr} accept\n")
+    assert tcp_probe(netns_exec, att, op.host_addr, op.closed_port)  # the old, wider rule is in force
+    lab.call(op.mgr.close())  # attached slots stay for the next start
+    op.mgr = NetworkManager(op.mgr.settings)
+    lab.call(op.mgr.start())
+    try:
+        assert not tcp_probe(netns_exec, att, op.host_addr, op.closed_port)
+        assert tcp_probe(netns_exec, att, op.host_addr, op.open_port)
+    finally:
+        lab.call(op.mgr.detach(sid))
