@@ -239,6 +239,8 @@ class Settings(BaseSettings):
     checkpoint_cache_dir: Path | None = Field(None, description="Unpacked checkpoint layers (default HOME/ckpt-layers)")
     checkpoint_layer_gc_grace_s: float = Field(60.0, ge=0, description="An unpacked checkpoint layer no mounted "
                                                "sandbox uses is deleted once this old (made or last reused)")
+    checkpoint_max_bytes: int = Field(1 << 30, ge=1 << 20, description="Most file bytes (apparent size) one "
+                                      "checkpoint may hold, below the sandbox's disk quota: bounds server memory")
     checkpoint_gc_grace_s: float = Field(3600.0, description="Unreferenced checkpoint blobs older than this are collected")
     checkpoint_zstd_level: int = Field(3, description="zstd level of checkpoint layers and trajectory segments")
     checkpoint_max_context_bytes: int = Field(64 * 1024 * 1024, description="Largest agent context accepted per save")

@@ -102,6 +102,24 @@ def test_sparse_file_checkpoint_is_bounded_by_disk_quota(server: Server, api: ht
         api.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_sparse_file_in_default_disk_sandbox_is_capped(server: Server, api: httpx.Client) -> None:
+    """With the default 10G disk quota, a 4G sparse file is still refused (413): the bound
+    is the disk quota capped by checkpoint_max_bytes (1 GiB), and the peak RSS stays flat."""
+    r = api.post("/v1/sandboxes", json={"image": "busybox", "memory": "128M", "cpu": 0.5})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        _exec(api, sid, "truncate -s 4G /big")
+        base_kib = _reset_peak(server.proc.pid)
+        r = api.post(f"/v1/sandboxes/{sid}/checkpoints")
+        growth_mib = (_status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
+        print(f"[default disk] sparse 4G checkpoint: HTTP {r.status_code}, server peak RSS +{growth_mib:.1f} MiB")
+        assert r.status_code == 413 and "checkpoint_max_bytes" in r.json()["message"], r.text
+        assert growth_mib < 128, growth_mib
+    finally:
+        api.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_restore_keeps_holes_and_sweeps_layers(server: Server, api: httpx.Client) -> None:
     """A checkpoint of a sparse file within quota (40M apparent in a 64M sandbox) restores
     byte for byte with the holes kept: the unpacked layer under DSEC_HOME/ckpt-layers takes

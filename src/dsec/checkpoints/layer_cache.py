@@ -42,8 +42,10 @@ _SHARED_LOCK = threading.Lock()
 
 
 def disk_quota(spec: SandboxSpec, settings: Settings) -> int:
-    """The sandbox's writable-layer quota in bytes: the most one of its checkpoints may hold."""
-    return spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or settings.default_disk)
+    """The most one checkpoint of a sandbox of ``spec`` may hold: its writable-layer (disk)
+    quota, capped by ``checkpoint_max_bytes`` (a capture holds the files in server memory)."""
+    disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or settings.default_disk)
+    return min(disk, settings.checkpoint_max_bytes)
 
 
 def _mountinfo_escape(path: str) -> str:

@@ -56,8 +56,8 @@ LAYER_OVERHEAD = 64 << 20
 def too_large(what: str, size: int, limit: int) -> errors.PayloadTooLarge:
     return errors.PayloadTooLarge(
         f"{what} holds {size} bytes of files (apparent size: a sparse file counts at its full length), above "
-        f"the sandbox's disk quota of {limit} bytes; a checkpoint may hold at most what the sandbox may "
-        "write. Delete or shrink the large files, or use a sandbox with a larger disk", size=size, limit=limit)
+        f"the limit of {limit} bytes (the sandbox's disk quota, capped by the server's checkpoint_max_bytes); "
+        "delete or shrink the large files before checkpointing", size=size, limit=limit)
 
 
 def _decompress(blob: bytes, max_bytes: int | None) -> bytes:

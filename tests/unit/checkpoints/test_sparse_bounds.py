@@ -33,7 +33,7 @@ def test_capture_refuses_sparse_file_over_quota_without_reading_it(tmp_path: Pat
     with open(tmp_path / "big", "wb") as fh:
         fh.truncate(1 << 30)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(errors.PayloadTooLarge, match="disk quota of 67108864 bytes"):
+    with pytest.raises(errors.PayloadTooLarge, match="limit of 67108864 bytes"):
         _tracker(64 * MIB).capture(tmp_path, _no_layers)
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 64 * MIB
 
@@ -127,3 +127,14 @@ def test_sweep_soon_is_debounced(tmp_path: Path) -> None:
             handle.cancel()
         return n
     assert asyncio.run(main()) == 2
+
+
+def test_checkpoint_bound_is_disk_quota_capped_by_setting() -> None:
+    """A default 10G-disk sandbox is still bounded by checkpoint_max_bytes (server memory)."""
+    from dsec.checkpoints.layer_cache import disk_quota
+    from dsec.config import Settings
+    from dsec.models import SandboxSpec
+
+    s = Settings(checkpoint_max_bytes=MIB << 10)
+    assert disk_quota(SandboxSpec(disk="64M"), s) == 64 * MIB
+    assert disk_quota(SandboxSpec(), s) == MIB << 10  # default disk 10G, capped at 1G
