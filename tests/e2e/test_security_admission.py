@@ -204,9 +204,11 @@ def test_bad_allow_list_is_refused_before_it_reaches_the_pool(srv: Server) -> No
         token = _tenant(srv, "adm-net")
         try:
             with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {token}"}, timeout=120) as c:
-                for _ in range(3):
-                    r = c.post("/v1/sandboxes", json={**spec, "network": ["10.0.0.1:99999"]})
-                    assert r.status_code == 422 and "10.0.0.1:99999" in r.json()["message"], r.text
+                # A malformed entry, and a node address (a slot gateway of the default
+                # net_cidr) that only the network manager used to refuse, at hand-over.
+                for bad in ("10.0.0.1:99999", "10.213.0.1:80", "10.0.0.1:99999"):
+                    r = c.post("/v1/sandboxes", json={**spec, "network": [bad]})
+                    assert r.status_code == 422 and bad in r.json()["message"], r.text
         finally:
             _drop_tenant(srv, "adm-net", token)
         after = _stats(srv)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import hashlib
+import ipaddress
 import secrets
 import time
 from collections import defaultdict
@@ -33,6 +34,7 @@ from dsec.errors import (
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import SandboxState
 from dsec.net.allowlist import parse_allow_list, system_resolver
+from dsec.net.hostaddrs import HostGuard, kernel_delivers_locally, parse_host_allow, parse_node_addresses
 from dsec.node.api import ExecEvent, NodeAgent
 from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
 
@@ -91,6 +93,10 @@ class SandboxService:
         # Admitted creates not settled yet: quota usage = node listing + these (reserve, then create).
         self._reserved = Reservations()
         self.max_pids = pids_limit(settings.sandbox_max_pids, host_pid_max())
+        # The node's own addresses, judged at submit exactly as the network manager judges them.
+        self._host_guard = HostGuard(ipaddress.IPv4Network(settings.net_cidr),
+                                     tuple(parse_node_addresses(settings.net_node_addresses)),
+                                     tuple(parse_host_allow(settings.net_host_allow)))
         self._tenant_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._idem_locks: dict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
         # Set by the scheduler: preempted sandboxes awaiting resumption (ops answer 503).
@@ -155,7 +161,12 @@ class SandboxService:
         request can reach a warm pool: a bad entry found at hand-over would cost the pool
         the member being claimed (issue 18 #13)."""
         if spec.network:
-            await asyncio.to_thread(parse_allow_list, spec.network, system_resolver)
+            await asyncio.to_thread(self._judge_allow_list, spec.network)
+
+    def _judge_allow_list(self, allow: list[str]) -> None:
+        rules = parse_allow_list(allow, system_resolver)
+        if any(r.exact_host for r in rules):
+            self._host_guard.check(rules, kernel_delivers_locally)
 
     async def _live(self, tenant: TenantRecord) -> list[tuple[str, float, int]]:
         """(id, cpu, memory) of the tenant's live sandboxes, listed while no reservation
