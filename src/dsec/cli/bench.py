@@ -22,6 +22,16 @@ def _emit(report: dict, out: Path, name: str) -> None:
 
 
 @app.command()
+def cli(rounds: int = typer.Option(20, help="rounds (each runs every command once, alternating order)"),
+        out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """`dsec --help`, `dsec ps`, `dsec run busybox -- true` vs `podman run --rm` (fresh server)."""
+    from dsec.bench.cli import run
+    with console.status("benchmarking the CLI") as status:
+        report = run(rounds=rounds, progress=lambda m: status.update(m))
+    _emit(report, out, "cli-bench")
+
+
+@app.command()
 def sandbox(rounds: int = typer.Option(10, help="create/destroy rounds per image"),
             execs: int = typer.Option(1000, help="exec round trips"),
             many: int = typer.Option(500, help="idle sandboxes held at once (0 to skip)"),
@@ -98,3 +108,18 @@ def api(sandboxes: int = typer.Option(200, help="concurrent sandboxes (0: skip t
     """SDK-over-HTTP overhead and one asyncio client driving many sandboxes."""
     from dsec.bench.api import run
     _emit(run(sandboxes=sandboxes, execs=execs, samples=samples), Path("reports"), "api-bench")
+
+
+@app.command()
+def runcode(calls: int = typer.Option(512, help="/run_code calls (and bare python3 runs)"),
+            concurrency: int = typer.Option(64, help="calls in flight (verl's default is 64)"),
+            podman_calls: int = typer.Option(64, help="podman run --rm calls (0 to skip)"),
+            resets: int = typer.Option(200, help="sb.reset() rounds for the median"),
+            out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """SandboxFusion /run_code at concurrency 64 vs bare python3 subprocesses and vs
+    podman run --rm per call, in one run; plus the sb.reset() median."""
+    from dsec.bench.runcode import run
+    with console.status("benchmarking /run_code") as status:
+        report = run(calls=calls, concurrency=concurrency, podman_calls=podman_calls, reset_rounds=resets,
+                     progress=lambda m: status.update(m))
+    _emit(report, out, "runcode-bench")

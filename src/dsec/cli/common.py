@@ -13,13 +13,29 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from rich.console import Console
 
 from dsec.errors import DSecError, NotFound, TransientError, Unauthorized
 
 F = TypeVar("F", bound=Callable[..., Any])
-out = Console()
-err = Console(stderr=True)
+_CONSOLES: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``out`` / ``err``: rich consoles, made on first use (importing rich costs ~35 ms,
+    which the hot commands do not pay unless they print something rich)."""
+    if name not in ("out", "err"):
+        raise AttributeError(name)
+    if name not in _CONSOLES:
+        from rich.console import Console
+
+        _CONSOLES[name] = Console(stderr=name == "err")
+    return _CONSOLES[name]
+
+
+def note(message: str) -> None:
+    """A plain status line on stderr (no rich import on the hot path)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
 
 
 def client() -> Any:
@@ -70,10 +86,11 @@ def next_step(e: DSecError) -> str | None:
 
 def report_error(e: DSecError) -> None:
     """One line naming the problem, then (when known) the next command to run."""
-    err.print(f"[red]error[/red] ({e.code}): {e.message}", highlight=False)
+    console = __getattr__("err")
+    console.print(f"[red]error[/red] ({e.code}): {e.message}", highlight=False)
     hint = next_step(e)
     if hint:
-        err.print(f"[yellow]next[/yellow]: {hint}", highlight=False)
+        console.print(f"[yellow]next[/yellow]: {hint}", highlight=False)
 
 
 def handle_errors(fn: F) -> F:

@@ -13,7 +13,8 @@ from typing import Any
 
 import typer
 
-from dsec.cli.common import err, handle_errors, human_age, human_bytes, out, parse_labels, print_json, wire
+from dsec.cli import common
+from dsec.cli.common import handle_errors, human_age, human_bytes, note, parse_labels, print_json, wire
 
 LabelOpt = typer.Option(None, "--label", "-l", help="key=value (repeatable)")
 _SB = "/v1/sandboxes"
@@ -50,18 +51,15 @@ def _stream(w: Any, sandbox_id: str, argv: list[str], timeout: float | None, as_
         elif ev.get("result") is not None:
             result = ev["result"]
             if result.get("timed_out"):
-                err.print(f"[yellow]command timed out after {result.get('duration', 0):.1f}s[/yellow]")
+                note(f"command timed out after {result.get('duration', 0):.1f}s")
             return int(result["exit_code"])
     return 1
 
 
-def _table(*cols: str) -> Any:
-    from rich.table import Table
-
-    t = Table(box=None, header_style="bold")
-    for col in cols:
-        t.add_column(col)
-    return t
+def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Plain aligned columns (like `docker ps`): no rich import for the hot commands."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
 def register(app: typer.Typer) -> None:
@@ -83,13 +81,13 @@ def register(app: typer.Typer) -> None:
                                   "isolation": isolation, "network": network,
                                   "labels": parse_labels(label)}.items() if v is not None}
         with wire() as w:
-            if err.is_terminal and not as_json:
-                with err.status(f"creating a {image} sandbox (a cold image is unpacked on first use)"):
+            if sys.stderr.isatty() and not as_json:
+                with common.err.status(f"creating a {image} sandbox (a cold image is unpacked on first use)"):
                     info = w.create(spec)
             else:
                 info = w.create(spec)
             if not as_json:
-                err.print(f"[dim]sandbox {info['id']} ({info['image']}, {info['isolation']})[/dim]")
+                note(f"sandbox {info['id']} ({info['image']}, {info['isolation']})")
             try:
                 code = _stream(w, info["id"], cmd, exec_timeout, as_json)
             finally:
@@ -126,9 +124,9 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json({"id": info["id"], "network": info["network"]})
         elif info["network"] is None:
-            out.print(f"{info['id']}: no network (created with network=None; only its own loopback)")
+            print(f"{info['id']}: no network (created with network=None; only its own loopback)")
         else:
-            out.print(f"{info['id']}: " + (", ".join(info["network"]) if info["network"] else "nothing allowed"))
+            print(f"{info['id']}: " + (", ".join(info["network"]) if info["network"] else "nothing allowed"))
 
     @app.command()
     @handle_errors
@@ -139,13 +137,12 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(infos)
             return
-        t = _table("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "LABELS")
-        for i in sorted(infos, key=lambda x: x["created_at"]):
-            t.add_row(i["id"], i["state"], i["image"], human_age(i["created_at"]), f"{i['cpu']:g}",
-                      human_bytes(i["memory"]), i["isolation"],
-                      ",".join(f"{k}={v}" for k, v in sorted((i.get("labels") or {}).items())))
-        out.print(t)
-        err.print(f"[dim]{len(infos)} sandbox(es)[/dim]")
+        rows = [(i["id"], i["state"], i["image"], human_age(i["created_at"]), f"{i['cpu']:g}",
+                 human_bytes(i["memory"]), i["isolation"],
+                 ",".join(f"{k}={v}" for k, v in sorted((i.get("labels") or {}).items())))
+                for i in sorted(infos, key=lambda x: x["created_at"])]
+        print(_columns(("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "LABELS"), rows))
+        note(f"{len(infos)} sandbox(es)")
 
     @app.command()
     @handle_errors
@@ -164,8 +161,8 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json({"killed": killed})
         else:
-            for sid in killed:
-                out.print(f"killed {sid}")
+            for one in killed:
+                print(f"killed {one}")
 
     @app.command()
     @handle_errors
@@ -179,7 +176,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(entries)
             return
-        t = _table("TIME", "EVENT", "DETAIL")
+        rows: list[tuple[str, ...]] = []
         for e in entries:
             d, kind = e.get("data") or {}, e["kind"]
             if kind == "exec":
@@ -191,5 +188,5 @@ def register(app: typer.Typer) -> None:
                 detail = f"{d.get('path')} ({d.get('size')} bytes)"
             else:
                 detail = ", ".join(f"{k}={v}" for k, v in d.items() if v not in (None, {}, []))
-            t.add_row(dt.datetime.fromtimestamp(e["ts"]).strftime("%H:%M:%S.%f")[:-3], kind, detail)
-        out.print(t)
+            rows.append((dt.datetime.fromtimestamp(e["ts"]).strftime("%H:%M:%S.%f")[:-3], kind, detail))
+        print(_columns(("TIME", "EVENT", "DETAIL"), rows))
