@@ -104,6 +104,8 @@ class Settings(BaseSettings):
                                         "after its first byte (or after connect); else the connection is closed")
     api_max_pending_per_client: int = Field(64, ge=1, description="Connections one client address may hold "
                                             "with a half-sent request header; more are closed at once")
+    api_pending_grace_s: float = Field(1.0, gt=0, description="A connection that sent no complete header this "
+                                       "long after connect counts toward api_max_pending_per_client")
     doctor_min_free_disk: str = Field("5G", description="`dsec doctor`/serve warn below this free space under HOME")
     doctor_min_nofile: int = Field(16384, description="`dsec doctor`/serve warn below this open-file hard limit")
 

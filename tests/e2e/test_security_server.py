@@ -17,7 +17,8 @@ from sec_helpers import is_closed, open_request, peak_rss_growth, read_status
 
 pytestmark = pytest.mark.integration
 
-HEADER_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 4.0
+PENDING_GRACE_S = 0.5
 PENDING_PER_CLIENT = 64
 
 
@@ -25,8 +26,18 @@ PENDING_PER_CLIENT = 64
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with running_server(tmp_path_factory, "sec-server", {
             "DSEC_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-            "DSEC_API_MAX_PENDING_PER_CLIENT": str(PENDING_PER_CLIENT)}) as s:
+            "DSEC_API_MAX_PENDING_PER_CLIENT": str(PENDING_PER_CLIENT),
+            "DSEC_API_PENDING_GRACE_S": str(PENDING_GRACE_S)}) as s:
         yield s
+
+
+def test_unauthenticated_connections_are_not_kept_alive(srv: Server) -> None:
+    """#5 / #12: a 401 closes its connection even without a body, so an unauthenticated
+    client cannot park kept-alive connections (they used to idle api_keepalive_s)."""
+    s = open_request(srv.url, "GET", "/v1/sandboxes", {"authorization": "Bearer nope"})
+    assert read_status(s, 5) == 401
+    assert is_closed(s, 2.0)
+    s.close()
 
 
 def test_unauthenticated_bodies_are_never_read(srv: Server) -> None:
@@ -84,9 +95,10 @@ def test_json_bodies_are_capped_after_auth(srv: Server) -> None:
 
 def test_half_sent_requests_are_closed(srv: Server) -> None:
     """#12: 1,000 connections that never finish their request headers (and a few that
-    send nothing) are closed: past api_max_pending_per_client at once, the rest after
-    api_header_timeout_s. Meanwhile and afterwards normal requests are served. (They all
-    used to stay open: uvicorn arms no timer before a request's headers are complete.)"""
+    send nothing) are closed: past api_max_pending_per_client at once (silent ones once
+    they count, after api_pending_grace_s), the rest after api_header_timeout_s.
+    Meanwhile and afterwards normal requests are served. (They all used to stay open:
+    uvicorn arms no timer before a request's headers are complete.)"""
     u = urlsplit(srv.url)
     addr = (u.hostname or "127.0.0.1", u.port or 80)
     half: list[socket.socket] = []
@@ -96,11 +108,18 @@ def test_half_sent_requests_are_closed(srv: Server) -> None:
         for i in range(1000):
             half.append(open_request(srv.url, "GET", f"/v1/sandboxes?i={i}", {"authorization": "Bearer x"},
                                      complete_headers=False))
+        t_silent = time.monotonic()
         silent = [socket.create_connection(addr, timeout=10) for _ in range(20)]
         time.sleep(0.5)
         early = sum(is_closed(s) for s in half)
         assert early >= 1000 - PENDING_PER_CLIENT - 10, f"only {early} closed early"
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        # Silent ones count after the grace; this client's share is taken: closed long
+        # before the header timeout.
+        time.sleep(max(0.0, t_silent + PENDING_GRACE_S + 1.5 - time.monotonic()))
+        assert time.monotonic() - t_silent < HEADER_TIMEOUT_S
+        closed_silent = sum(is_closed(s) for s in silent)
+        assert closed_silent == len(silent), f"{closed_silent} of {len(silent)} silent connections closed"
         time.sleep(max(0.0, t0 + HEADER_TIMEOUT_S + 2.0 - time.monotonic()))
         still_open = [s for s in half + silent if not is_closed(s, 0.05)]
         assert not still_open, f"{len(still_open)} half-sent connections still open after {HEADER_TIMEOUT_S + 2}s"

@@ -6,9 +6,10 @@ requests stayed open indefinitely. This subclass of uvicorn's httptools protocol
 
 * gives every request ``api_header_timeout_s`` from connect (or from its first byte on
   a kept-alive connection) to complete its headers, then closes the connection;
-* counts, per client address, connections holding a partial header block and closes
-  a new one at once past ``api_max_pending_per_client``. A well-behaved client sends
-  its headers in one write and is never counted, whatever its connection pool size.
+* counts, per client address, connections holding a partial header block (or none
+  at all ``api_pending_grace_s`` after connect) and closes a new one at once past
+  ``api_max_pending_per_client``. A well-behaved client sends its headers in one write
+  right after connecting and is never counted, whatever its connection pool size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _close(transport: asyncio.BaseTransport | None) -> None:
 
 class GuardedHttpTools(HttpToolsProtocol):
     header_timeout_s: float = 10.0
+    pending_grace_s: float = 1.0
     max_pending_per_client: int = 64
     pending: Counter[str]  # client address -> connections with a partial header block
 
@@ -39,18 +41,28 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._in_headers = True  # until the first request's headers are complete
         self._header_timer: asyncio.TimerHandle | None = self.loop.call_later(
             self.header_timeout_s, self._header_timeout)
+        # A connection that stays silent counts too, but only after a grace: a burst of
+        # connects is accepted before any of them is read.
+        self._grace_timer: asyncio.TimerHandle | None = self.loop.call_later(self.pending_grace_s, self._count)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._in_headers and not self._counted and self.transport is not None and not self.transport.is_closing():
-            if self.pending[self._peer] >= self.max_pending_per_client:
-                self.logger.warning("closing a half-sent request from %s: %d connections of this client already "
-                                    "wait for their headers (api_max_pending_per_client)", self._peer,
-                                    self.pending[self._peer])
-                _close(self.transport)
-                return
-            self.pending[self._peer] += 1
-            self._counted = True
+        self._count()
+
+    def _count(self) -> None:
+        """Count this connection as pending while its headers are incomplete; close it if
+        its client already has its share of pending connections."""
+        self._grace_timer = None
+        if not self._in_headers or self._counted or self.transport is None or self.transport.is_closing():
+            return
+        if self.pending[self._peer] >= self.max_pending_per_client:
+            self.logger.warning("closing a connection from %s without a complete request header: %d of this "
+                                "client's already wait for theirs (api_max_pending_per_client)", self._peer,
+                                self.pending[self._peer])
+            _close(self.transport)
+            return
+        self.pending[self._peer] += 1
+        self._counted = True
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -68,6 +80,9 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def _headers_done(self) -> None:
         self._in_headers = False
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -89,5 +104,6 @@ def guarded_protocol(settings: Settings) -> type[Any]:
     """A protocol class for one server (its own per-client counters)."""
     return type("GuardedHttpTools", (GuardedHttpTools,), {
         "header_timeout_s": settings.api_header_timeout_s,
+        "pending_grace_s": settings.api_pending_grace_s,
         "max_pending_per_client": settings.api_max_pending_per_client,
         "pending": Counter()})

@@ -5,9 +5,10 @@ dependencies, token check included, so four unauthenticated 400 MB posts grew th
 server by 1.7 GiB before each got its 401. This pure-ASGI layer sits in front of the
 whole app (hot path included): a ``/v1/`` request without a valid token is answered
 401 from its headers alone, a declared Content-Length over the route's limit is 413
-at once, and a body that turns out longer (chunked) is cut off at the limit. Refusals
-of a request that still has a body to send close the connection (``Connection:
-close``), so nobody can keep streaming into a refused request.
+at once, and a body that turns out longer (chunked) is cut off at the limit. A 401, and
+any refusal of a request that still has a body to send, closes the connection
+(``Connection: close``): nobody keeps streaming into a refused request or keeps an
+unauthenticated connection alive for more tries.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from dsec.api.errors import error_response
 from dsec.api.services import Services
 from dsec.config import Settings
-from dsec.errors import DSecError, PayloadTooLarge
+from dsec.errors import DSecError, PayloadTooLarge, Unauthorized
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -80,7 +81,9 @@ class RequestGuard:
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
                 raise PayloadTooLarge(_too_large(scope, limit, declared), limit=limit)
         except DSecError as err:
-            await self._refuse(err, scope, receive, send, close=_has_body(scope))
+            # An unauthenticated connection is not kept alive for more tries; a 413's is
+            # closed only when its body is left unread.
+            await self._refuse(err, scope, receive, send, close=isinstance(err, Unauthorized) or _has_body(scope))
             return
         flow = _Flow()
 
