@@ -55,6 +55,7 @@ class TenantCreate(BaseModel):
 
 class TenantInfo(BaseModel):
     name: str
+    uid: str = Field("", description="Immutable internal id: keys its episodes/checkpoints (not a credential)")
     admin: bool
     max_sandboxes: int | None
     max_cpu: float | None
