@@ -233,3 +233,26 @@ def test_unknown_image_404_lists_no_images(srv: Server) -> None:
                 assert "busybox:latest" not in r.text and "available" not in body["details"]
     finally:
         _drop_tenant(srv, "adm-img", token)
+
+
+def test_episode_open_is_judged_like_a_create(srv: Server) -> None:
+    """#6/#13 via episodes: opening an episode makes a sandbox from the tenant's spec, so
+    the same checks hold there: pids above the node limit is 422, and an image outside the
+    tenant's allow-list is 403; neither episode is created."""
+    any_image = _tenant(srv, "adm-epi")
+    python_only = _tenant(srv, "adm-epi-py", images=["python*"])
+    try:
+        for token, name, spec, code in ((any_image, "e-pids", {**SMALL, "pids": 1_000_000}, 422),
+                                        (python_only, "e-img", SMALL, 403)):
+            with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {token}"}, timeout=120) as c:
+                r = c.post(f"/v1/episodes/{name}/open", json={"spec": spec})
+                try:
+                    assert r.status_code == code, r.text
+                    assert ("pids" if code == 422 else "busybox") in r.json()["message"]
+                    assert c.get(f"/v1/episodes/{name}").status_code == 404  # never created
+                finally:
+                    if r.status_code == 200:
+                        c.delete(f"/v1/episodes/{name}")
+    finally:
+        _drop_tenant(srv, "adm-epi", any_image)
+        _drop_tenant(srv, "adm-epi-py", python_only)

@@ -65,7 +65,9 @@ def _public(info: EpisodeInfo, episode_id: str) -> EpisodeInfo:
 
 
 @router.post("/{episode_id}/open", response_model=EpisodeInfo, summary="Create or resume an episode")
-async def open_(episode_id: EpisodeId, req: OpenRequest, eng: Engine, t: Tenant) -> EpisodeInfo:
+async def open_(episode_id: EpisodeId, req: OpenRequest, eng: Engine, t: Tenant, request: Request) -> EpisodeInfo:
+    if req.spec is not None:  # judged like any create's spec: an episode is no way around its checks
+        await request.app.state.services.sandboxes.check_spec(t, req.spec)
     return _public(await eng.open(_key(t, episode_id), req.spec), episode_id)
 
 

@@ -212,9 +212,10 @@ class SandboxService:
                                  "Retry-After delay (nothing was run)", retry_after=wait, sandbox_id=sandbox_id)
 
     # --- create ------------------------------------------------------------------
-    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
-        """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
-        # The whole request is validated here, before it is queued or touches a pool.
+    async def check_spec(self, tenant: TenantRecord, spec: SandboxSpec) -> None:
+        """Everything a create is judged on before it is queued or touches a pool (image
+        allow-list, node and tenant limits, pids, allow-list, image known): every path that
+        makes a sandbox from a tenant's spec calls this first."""
         self._check_image(tenant, spec.image)
         self._check_limits(tenant, spec)
         await self._check_network(spec)
@@ -223,6 +224,10 @@ class SandboxService:
                 await self._image_check(spec.image)
             except NotFound:
                 raise _unknown_image(spec.image) from None
+
+    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
+        """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
+        await self.check_spec(tenant, spec)
         if self._inflight >= self.settings.api_max_inflight_creates:
             self.metrics.creates.labels(result=Overloaded.code).inc()
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
