@@ -167,6 +167,8 @@ async def _stop(rt: OciRuntime, sandbox_id: str, pid: int, exited: asyncio.Futur
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(exited), STOP_WAIT_S)
     if not exited.done():
+        if inner is None:
+            log.warning("exec in sandbox %s: no internal pid from runsc; only runsc exec is killed", sandbox_id)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     await exited  # reaped
