@@ -327,12 +327,13 @@ def check_services(settings: Settings) -> list[Check]:
                                                      "DSEC_REDIS_URL"))
     if settings.blob_backend == "s3" and settings.s3_endpoint:
         out.append(_tcp("s3", settings.s3_endpoint, "start the S3 endpoint or fix DSEC_S3_ENDPOINT"))
-    # Settings other engineers add for the cluster (Ray head, image registry), when present and set.
-    for field, name, env in (("ray_address", "ray", "DSEC_RAY_ADDRESS"), ("registry_url", "registry",
-                                                                            "DSEC_REGISTRY_URL")):
+    # The Ray cluster (DSEC_CLUSTER: ray://HEAD:PORT or HEAD:PORT) and an image registry,
+    # when this build has those settings and they are set.
+    for field, name, fix in (("cluster", "ray", "start the head (`ray start --head`) or fix DSEC_CLUSTER"),
+                             ("registry_url", "registry", "start the registry or fix DSEC_REGISTRY_URL")):
         val = getattr(settings, field, None)
         if isinstance(val, str) and val and val != "auto":
-            out.append(_tcp(name, val.removeprefix("ray://"), f"start it or fix {env}"))
+            out.append(_tcp(name, val.replace("ray://", "tcp://", 1), fix))
     return out
 
 

@@ -111,6 +111,12 @@ def test_configured_services_unreachable() -> None:
     assert [c.name for c in checks] == ["redis"]
     assert checks[0].status == "fail" and f"127.0.0.1:{port}" in checks[0].detail
     assert doctor.check_services(Settings()) == []
+    if "cluster" in Settings.model_fields:  # the Ray cluster setting (cluster issue)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            (ray,) = doctor.check_services(Settings(cluster=f"ray://127.0.0.1:{port}"))
+        assert ray.name == "ray" and ray.status == "fail" and "ray start --head" in (ray.fix or "")
 
 
 def test_server_not_running(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
