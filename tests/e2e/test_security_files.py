@@ -207,6 +207,42 @@ def test_sparse_file_under_the_limit_streams_in_bounded_memory(srv: Server, clie
         assert peak.growth_mib < 100, f"server peak RSS grew {peak.growth_mib:.0f} MiB for a 512 MiB file"
 
 
+@pytest.mark.parametrize("isolation", TIERS)
+def test_uploads_stream_in_bounded_memory(srv: Server, client: Client, isolation: str) -> None:
+    """#5: a 192 MiB file upload and a 192 MiB tar upload reach the sandbox intact while
+    the server's peak RSS grows by far less than the body (both used to be buffered
+    whole, then joined: twice the body)."""
+    size = 192 << 20
+    block = bytes(range(256)) * 4096  # 1 MiB, not all zeros
+    with Sandbox.create(image="busybox", memory="1G", isolation=isolation, client=client) as sb, \
+            httpx.Client(base_url=srv.url, headers=_auth(srv.token), timeout=120) as h:
+        def body() -> Iterator[bytes]:
+            for _ in range(size // len(block)):
+                yield block
+
+        with peak_rss_growth(srv.proc.pid) as peak:
+            r = h.put(f"/v1/sandboxes/{sb.id}/files", params={"path": "/tmp/up/big"}, content=body())
+            assert r.status_code == 204, r.text
+        print(f"peak RSS growth (file upload): {peak.growth_mib:.1f} MiB")
+        assert peak.growth_mib < 64, f"server peak RSS grew {peak.growth_mib:.0f} MiB for a 192 MiB upload"
+        assert sb.exec("wc -c < /tmp/up/big").stdout.strip() == str(size)
+        sb.exec("rm /tmp/up/big")
+
+        def tar_body() -> Iterator[bytes]:
+            info = tarfile.TarInfo("t/big")
+            info.size = size
+            yield info.tobuf(tarfile.PAX_FORMAT)
+            yield from body()
+            yield bytes(2 * tarfile.BLOCKSIZE)
+
+        with peak_rss_growth(srv.proc.pid) as peak:
+            r = h.put(f"/v1/sandboxes/{sb.id}/tar", params={"path": "/tmp/up"}, content=tar_body())
+            assert r.status_code == 204, r.text
+        print(f"peak RSS growth (tar upload): {peak.growth_mib:.1f} MiB")
+        assert peak.growth_mib < 64, f"server peak RSS grew {peak.growth_mib:.0f} MiB for a 192 MiB tar"
+        assert sb.exec("wc -c < /tmp/up/t/big").stdout.strip() == str(size)
+
+
 def test_listing_is_paged_and_bounded(srv: Server, client: Client) -> None:
     """#11: files/list returns at most api_list_max_entries (1000) entries per page with
     an X-Next-Cursor header, `limit`/`cursor` page through in name order, a bad cursor
