@@ -171,3 +171,13 @@ def test_serve_and_doctor_refuse_a_read_only_home(read_only_dir: Path) -> None:
                        check=False)
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert r.returncode == 1 and checks["home"]["status"] == "fail"
+
+
+def test_overlay_check_on_a_healthy_and_a_broken_scratch(tmp_path: Path, read_only_dir: Path) -> None:
+    """The overlay check really mounts: fine on a normal directory, a failure naming the
+    directory (and the modprobe / local-filesystem fix) where no overlay can be made."""
+    from dsec.cli.doctor import check_overlayfs
+
+    assert check_overlayfs(tmp_path / "scratch").status == "ok"
+    c = check_overlayfs(read_only_dir / "scratch")
+    assert c.status == "fail" and str(read_only_dir / "scratch") in c.detail and "modprobe overlay" in (c.fix or "")
