@@ -181,3 +181,18 @@ def test_overlay_check_on_a_healthy_and_a_broken_scratch(tmp_path: Path, read_on
     assert check_overlayfs(tmp_path / "scratch").status == "ok"
     c = check_overlayfs(read_only_dir / "scratch")
     assert c.status == "fail" and str(read_only_dir / "scratch") in c.detail and "modprobe overlay" in (c.fix or "")
+
+
+def test_hot_commands_against_a_server_stay_light(server: Server) -> None:
+    """`dsec ps` and `dsec run busybox -- true` that succeed import neither the SDK stack
+    (pydantic, httpx) nor rich: plain output keeps them at interpreter + typer + http.client."""
+    probe = ("import json, sys\nargs = json.loads(sys.argv[1])\nsys.argv = ['dsec', *args]\n"
+             "from dsec.cli.main import app\ntry:\n    app()\nexcept SystemExit as e:\n    code = e.code\n"
+             "heavy = ('pydantic', 'httpx', 'rich', 'urllib3', 'dsec.sdk', 'dsec.api', 'numpy')\n"
+             "print(json.dumps([code, sorted(m for m in sys.modules if m.split('.')[0] in heavy "
+             "or m.startswith(heavy))]), file=sys.__stderr__)")
+    for args in (["ps"], ["run", "busybox", "--", "true"]):
+        r = subprocess.run([sys.executable, "-c", probe, json.dumps(args)], env=_env(server), capture_output=True,
+                           text=True, timeout=120, check=False)
+        code, loaded = json.loads(r.stderr.strip().splitlines()[-1])
+        assert code in (0, None) and loaded == [], (args, code, loaded)
