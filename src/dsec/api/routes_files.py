@@ -82,6 +82,18 @@ async def _stream(gate: FileGate, tenant: str, step: Any, close: Any) -> AsyncIt
         gate.later(close)
 
 
+def _open_and_read_small(fs: SandboxFS, path: str, limit: int) -> tuple[OpenFile | None, int, bytes]:
+    """(None, size, content) for a file of at most CHUNK bytes (one thread hop, the
+    common case); (open file, size, b"") for a larger one, to be streamed."""
+    f, size = fs.open_read(path, limit)
+    if size > CHUNK:
+        return f, size, b""
+    try:
+        return None, size, f.read_all(size)
+    finally:
+        f.close()
+
+
 @router.get("/files", summary="Read a file", response_class=Response, responses=_OCTET)
 async def read_file(sandbox_id: SandboxId, path: FilePath, request: Request, ctx: Ctx) -> Response:
     svc, t = ctx.svc, ctx.tenant
@@ -90,12 +102,8 @@ async def read_file(sandbox_id: SandboxId, path: FilePath, request: Request, ctx
         return Response(content=await svc.sandboxes.read_file(t, sandbox_id, path),
                         media_type="application/octet-stream")
     gate = _gate(request)
-    f, size = await gate.run(t.name, fs.open_read, path, svc.settings.max_upload_bytes)
-    if size <= CHUNK:
-        try:
-            data = await gate.run(t.name, f.read_all, size)
-        finally:
-            gate.later(f.close)
+    f, size, data = await gate.run(t.name, _open_and_read_small, fs, path, svc.settings.max_upload_bytes)
+    if f is None:
         return Response(content=data, media_type="application/octet-stream")
     left = [size]
 
