@@ -50,7 +50,9 @@ def start_serve(home: Path, extra_env: dict[str, str] | None = None, *, log_name
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise DSecError(f"`dsec serve` exited with {proc.returncode}; see {log}")
+            # Its last lines say why (e.g. the pre-flight checks: what failed and the fix).
+            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-12:])
+            raise DSecError(f"`dsec serve` exited with {proc.returncode} (log: {log}):\n{tail}")
         try:
             info = json.loads((home / "server.json").read_text())
             if info.get("pid") == proc.pid:

@@ -237,6 +237,11 @@ def register(app: typer.Typer) -> None:
         srv = None
         if not _server_up():
             from dsec.api.launch import start_serve
+            from dsec.cli.doctor import check_home
+
+            home = check_home(settings.home)  # the serve pre-flight cannot report it: its log lives there
+            if home.status == "fail":
+                raise DSecError(f"{home.detail}; fix: {home.fix}")
 
             err.print("[dim]no server running: starting `dsec serve` for the demo[/dim]")
             srv = start_serve(settings.home, log_name="demo-serve.log")
