@@ -241,7 +241,9 @@ def register(app: typer.Typer) -> None:
 
             home = check_home(settings.home)  # the serve pre-flight cannot report it: its log lives there
             if home.status == "fail":
-                raise DSecError(f"{home.detail}; fix: {home.fix}")
+                from dsec.errors import InvalidArgument
+
+                raise InvalidArgument(f"{home.detail}; fix: {home.fix}")
 
             err.print("[dim]no server running: starting `dsec serve` for the demo[/dim]")
             srv = start_serve(settings.home, log_name="demo-serve.log")
