@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncEpisode", "AsyncLease", "AsyncSandbox", "Lease", "CheckpointInfo", "Client", "Episode", "Sandbox", "errors", "ExecResult", "ExecEvent", "SandboxInfo",
-    "SandboxSpec", "FileEntry", "DSecError", "__version__",
+    "SandboxSpec", "FileEntry", "DSecError", "__version__", "usage", "ausage", "UsageReport",
 ]
 
 if TYPE_CHECKING:
@@ -28,12 +28,15 @@ if TYPE_CHECKING:
     from dsec.sdk.async_episode import AsyncEpisode
     from dsec.sdk.episode import Episode
     from dsec.sdk.lease import AsyncLease, Lease
+    from dsec.sdk.usage import ausage, usage
+    from dsec.accounting.models import UsageReport
 
 _LAZY = {
     "CheckpointInfo": "dsec.sdk", "Lease": "dsec.sdk.lease", "AsyncLease": "dsec.sdk.lease",
     "Episode": "dsec.sdk.episode", "AsyncEpisode": "dsec.sdk.async_episode", "AsyncClient": "dsec.sdk", "AsyncSandbox": "dsec.sdk", "Client": "dsec.sdk", "Sandbox": "dsec.sdk",
     "ExecResult": "dsec.models", "FileEntry": "dsec.models", "SandboxInfo": "dsec.models",
     "SandboxSpec": "dsec.models", "ExecEvent": "dsec.node.api", "DSecError": "dsec.errors",
+    "usage": "dsec.sdk.usage", "ausage": "dsec.sdk.usage", "UsageReport": "dsec.accounting.models",
 }
 
 

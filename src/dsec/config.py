@@ -282,6 +282,21 @@ class Settings(BaseSettings):
     fusion_anonymous_tenant: str | None = Field(None, description="Tenant that un-keyed /run_code and /v1/ping "
                                                 "calls run as; None (default): no anonymous access")
 
+    # --- run-level accounting and live clones (issue 16; dsec.accounting) --------------
+    usage_enabled: bool = Field(True, description="Account sandboxes' CPU, memory, execs, bytes written, lifetime")
+    usage_sample_interval_s: float = Field(1.0, gt=0, description="How often every live sandbox's cgroup "
+                                           "counters are sampled (memory GiB-seconds integrate over samples)")
+    usage_flush_interval_s: float = Field(5.0, gt=0, description="Live sandboxes' totals are written to the "
+                                          "state database this often (and at every death)")
+    usage_retention_s: float = Field(90 * 24 * 3600, gt=0, description="Usage of dead sandboxes is kept this long")
+    usage_prometheus_labels: AddressList = Field(["run"], description="Operator only: sandbox label keys "
+                                                 "exported as Prometheus labels of dsec_usage_* ('tenant' = the "
+                                                 "tenant name); comma-separated")
+    usage_prometheus_max_values: int = Field(100, ge=1, description="Distinct values per exported label key; "
+                                             "later values share the series '_other' (bounded cardinality)")
+    usage_query_max_sandboxes: int = Field(1000, ge=1, description="Most per-sandbox rows one usage query lists")
+    clone_max: int = Field(64, ge=1, description="Most clones one sb.clone(n) call may make")
+
     # --- state / cluster --------------------------------------------------------------
     state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for multi-node state")

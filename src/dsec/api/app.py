@@ -92,6 +92,8 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
             gc_pauses = GcPauses()
             gc_task = asyncio.create_task(_export_gc(gc_pauses, services.metrics), name="dsec-gc-metrics")
             await services.start()
+            if app.state.usage is not None:
+                await app.state.usage.start()  # after the node adopted its sandboxes
             # Everything built so far (modules, app, schemas, adopted sandboxes) lives for the
             # whole run: keep it out of every later collection. Measured under 200 busy
             # sandboxes: full collections otherwise stopped the loop for >100 ms at a time.
@@ -104,6 +106,8 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
                 gc_task.cancel()
                 gc_pauses.close()
                 gc.unfreeze()  # an app in a longer-lived process (tests) must not pin its objects
+                if app.state.usage is not None:
+                    await app.state.usage.close()  # last samples and totals written
                 await services.close()
             app.state.file_gate.close()
 
@@ -120,6 +124,10 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     app.include_router(routes_admin.system)
     app.include_router(routes_checkpoints.router)
     app.include_router(routes_scheduler.router)
+    # Run-level accounting: GET /v1/usage, per-label quotas, dsec_usage_* metrics (issue 16).
+    from dsec.api.routes_usage import install_usage
+
+    app.state.usage = install_usage(app, services)
     # E2B SDK front ends (/e2b REST, /e2b/envd): the same SandboxService underneath.
     app.state.e2b = install_e2b(app, services)
     # SandboxFusion front end (/fusion/<key>/run_code, /v1/ping): pooled reset-able sandboxes.

@@ -102,6 +102,9 @@ class SandboxService:
         # Set by the scheduler: preempted sandboxes awaiting resumption (ops answer 503).
         self.preempted: Callable[[str], float | None] | None = None
         self.forget_preempted: Callable[[str], Awaitable[bool]] | None = None
+        # Run-level accounting (dsec.accounting.ledger.UsageLedger), set by the app: per-label
+        # quotas at admission, exec counts.
+        self.usage: Any = None
 
     def set_placement(self, creator: Creator, destroyer: Destroyer | None = None,
                       route: Callable[[Creator], Creator] | None = None) -> None:
@@ -283,6 +286,8 @@ class SandboxService:
                 # serialised (its reservation counts it while in flight).
                 await self._admit(tenant, spec, sandbox_id)
                 reserved = True
+                if self.usage is not None:  # per-label quotas (run=r1): 429 naming the quota
+                    await self.usage.admit(tenant, spec.labels, sandbox_id)
                 self.state.record_sandbox(sandbox_id, tenant.uid, time.time())  # owned by the uid
                 self._owners[sandbox_id] = tenant.uid
                 self._creating.add(sandbox_id)
@@ -291,7 +296,7 @@ class SandboxService:
             # The reservation lasts as long as the creation, not the HTTP call: a caller
             # cancelled mid-create must not free quota for a sandbox still being built.
             task = asyncio.ensure_future((creator or self._creator)(spec, sandbox_id, tenant.name))
-            task.add_done_callback(lambda t: (self._reserved.release(sandbox_id),
+            task.add_done_callback(lambda t: (self._reserved.release(sandbox_id), self._usage_release(sandbox_id),
                                               t.cancelled() or t.exception()))
             reserved = False  # released by the task's callback from here on
             info = await asyncio.shield(task)
@@ -304,6 +309,7 @@ class SandboxService:
         finally:
             if reserved:
                 self._reserved.release(sandbox_id)
+                self._usage_release(sandbox_id)
             self._creating.discard(sandbox_id)
             self._inflight -= 1
             self.metrics.inflight_creates.set(self._inflight)
@@ -327,6 +333,10 @@ class SandboxService:
                           cpu=info.cpu, memory=info.memory, isolation=info.isolation, labels=info.labels,
                           network=info.network, request_id=spec.request_id)
         return info
+
+    def _usage_release(self, sandbox_id: str) -> None:
+        if self.usage is not None:
+            self.usage.release(sandbox_id)
 
     # --- lifecycle ---------------------------------------------------------------
     async def get(self, tenant: TenantRecord, sandbox_id: str) -> SandboxInfo:
@@ -400,6 +410,8 @@ class SandboxService:
             self.audit.record(sandbox_id, tenant.name, "exec_error", argv=req.argv(), code=e.code)
             raise
         mode = "background" if req.background else "sync"
+        if self.usage is not None:
+            self.usage.count_exec(sandbox_id)
         self.metrics.exec_seconds.labels(mode=mode).observe(time.perf_counter() - t0)
         self._audit_exec(tenant, sandbox_id, req, res, mode)
         return res
@@ -414,6 +426,8 @@ class SandboxService:
         t0 = time.perf_counter()
         async for ev in self.node.exec_stream(sandbox_id, req):
             if ev.kind == "exit" and ev.result is not None:
+                if self.usage is not None:
+                    self.usage.count_exec(sandbox_id)
                 self.metrics.exec_seconds.labels(mode="stream").observe(time.perf_counter() - t0)
                 self._audit_exec(tenant, sandbox_id, req, ev.result, "stream")
             yield ev

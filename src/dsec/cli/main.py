@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("dsec.cli.serve:register", "Run the DSec server (API + control plane + node agent)."),
     "sim": ("dsec.cli.sim:app", "Discrete-event cluster simulator driving the real scheduler."),
     "tenant": ("dsec.cli.tenant:app", "Manage tenants (admin)."),
+    "usage": ("dsec.cli.usage:app", "Usage of your sandboxes by label (CPU-s, GiB-s, execs, bytes), quotas."),
 }
 
 

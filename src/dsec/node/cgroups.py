@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-_LIMIT_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
+# cpuacct: no limit, but usage accounting (dsec.accounting) reads CPU time there, as for runc.
+_LIMIT_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
 
 
 def sandbox_cgroup_dirs(parent: str, sandbox_id: str) -> list[Path]:

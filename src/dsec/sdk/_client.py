@@ -68,6 +68,22 @@ class _Api:
     def reset(self, sandbox_id: str) -> Any:
         return self._run(_ops.reset(sandbox_id))
 
+    def usage(self, labels: dict[str, str] | None = None, *, group_by: str | None = None,
+              limit: int | None = None) -> Any:
+        """``UsageReport`` of own sandboxes (live and dead) matching every label."""
+        return self._run(_ops.usage(labels, group_by, limit))
+
+    def usage_quotas(self) -> Any:
+        return self._run(_ops.usage_quotas())
+
+    def set_usage_quota(self, label: str, *, max_sandboxes: int | None = None,
+                        max_cpu_seconds: float | None = None) -> Any:
+        """Cap the sandboxes labelled ``label`` ('run=r1'); new creates past it get 429."""
+        return self._run(_ops.set_usage_quota(label, max_sandboxes, max_cpu_seconds))
+
+    def delete_usage_quota(self, label: str) -> Any:
+        return self._run(_ops.delete_usage_quota(label))
+
     def exec(self, sandbox_id: str, req: ExecRequest) -> Any:
         return self._run(_ops.exec_(sandbox_id, req, self.config.timeout_s))
 

@@ -82,6 +82,38 @@ def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
                 json={"timeout": timeout}, idempotent=True)
 
 
+def usage(labels: dict[str, str] | None = None, group_by: str | None = None,
+          limit: int | None = None) -> Call[Any]:
+    from dsec.accounting.models import UsageReport
+
+    params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+    if group_by is not None:
+        params.append(("group_by", group_by))
+    if limit is not None:
+        params.append(("limit", str(limit)))
+    return Call("GET", "/v1/usage", lambda r: UsageReport.model_validate_json(r.content), params=params,
+                idempotent=True)
+
+
+def usage_quotas() -> Call[Any]:
+    from dsec.accounting.models import LabelQuota
+
+    return Call("GET", "/v1/usage/quotas", lambda r: TypeAdapter(list[LabelQuota]).validate_json(r.content),
+                idempotent=True)
+
+
+def set_usage_quota(label: str, max_sandboxes: int | None = None, max_cpu_seconds: float | None = None) -> Call[Any]:
+    from dsec.accounting.models import LabelQuota
+
+    body = {"label": label, "max_sandboxes": max_sandboxes, "max_cpu_seconds": max_cpu_seconds}
+    return Call("PUT", "/v1/usage/quotas", lambda r: LabelQuota.model_validate_json(r.content), json=body,
+                idempotent=True)
+
+
+def delete_usage_quota(label: str) -> Call[None]:
+    return Call("DELETE", "/v1/usage/quotas", _none, params=[("label", label)], idempotent=True)
+
+
 def reset(sandbox_id: str) -> Call[SandboxInfo]:
     # Not retried on its own: a reset that reached the server already wiped the sandbox;
     # a second one is harmless but would also kill what the caller started in between.

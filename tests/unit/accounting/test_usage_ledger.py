@@ -1,0 +1,138 @@
+"""Accounting rules without a kernel: sample folding, SQLite aggregation by label and
+tenant, bounded Prometheus values, per-label quota admission (issue 16)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dsec.accounting.ledger import BoundedValues, UsageLedger, parse_labels, prom_label_name
+from dsec.accounting.meter import Accum, Counters, advance, counter_delta
+from dsec.accounting.models import GIB, LabelQuota, SandboxUsage
+from dsec.accounting.store import UsageStore
+from dsec.config import Settings
+from dsec.errors import InvalidArgument, NotFound, QuotaExceeded
+from dsec.state.sqlite import SqliteStateStore
+from dsec.state.store import TenantRecord
+
+
+def test_advance_integrates_memory_and_counts_growth_only() -> None:
+    """First sample is the baseline; CPU is the counter delta; memory the trapezoid; bytes
+    written only the writable layer's growth (a delete is not negative writing)."""
+    acc = Accum()
+    assert advance(acc, Counters(t=0.0, cpu_ns=5_000_000_000, memory=GIB // 2, disk_used=100)) == (0.0, 0.0, 0)
+    cpu, mem, written = advance(acc, Counters(t=2.0, cpu_ns=6_500_000_000, memory=int(GIB * 1.5), disk_used=300))
+    assert cpu == pytest.approx(1.5) and mem == pytest.approx(2.0) and written == 200
+    cpu, mem, written = advance(acc, Counters(t=3.0, cpu_ns=6_500_000_000, memory=None, disk_used=50))
+    assert (cpu, written) == (0.0, 0) and mem == pytest.approx(1.5)
+    assert acc.bytes_written == 200 and acc.cpu_seconds == pytest.approx(1.5)
+    # A final sample with the cpu cgroup already gone keeps the last reading as baseline.
+    advance(acc, Counters(t=4.0, cpu_ns=None, memory=None, disk_used=None))
+    assert acc.last is not None and acc.last.cpu_ns == 6_500_000_000
+
+
+def test_counter_delta_survives_a_recreated_cgroup() -> None:
+    """A counter that went backwards (gVisor reset re-made the cgroup) counts from zero."""
+    assert counter_delta(None, 10) == 0 and counter_delta(10, 15) == 5 and counter_delta(15, 4) == 4
+
+
+def test_bounded_values_cap_distinct_values() -> None:
+    """Past the cap, new values share '_other'; known values keep theirs; keys not exported
+    never appear; label names are valid Prometheus identifiers."""
+    b = BoundedValues(["run", "tenant"], cap=2)
+    assert b.key_of({"run": "a"}, "t") == ("a", "t")
+    assert b.key_of({"run": "b"}, "t") == ("b", "t")
+    assert b.key_of({"run": "c", "task": "x"}, "t") == ("_other", "t")
+    assert b.key_of({"run": "a"}, "t") == ("a", "t")
+    assert b.key_of({}, "t") == ("", "t")
+    assert prom_label_name("run.id") == "run_id" and prom_label_name("9x") == "l_9x"
+    assert prom_label_name("__x") == "l_x"
+
+
+def _usage(sid: str, labels: dict[str, str], cpu: float, ended: float | None = None) -> SandboxUsage:
+    return SandboxUsage(sandbox_id=sid, labels=labels, started_at=1.0, ended_at=ended, sandboxes=1, cpu_seconds=cpu,
+                        memory_gb_seconds=cpu * 2, exec_count=1, bytes_written=10, sandbox_seconds=5.0)
+
+
+def test_store_totals_groups_and_tenancy(tmp_path: Path) -> None:
+    """Totals match every label of the filter, an unknown label matches nothing, groups
+    total per value, and another tenant's rows are never counted; rows persist."""
+    path = tmp_path / "state.db"
+    st = UsageStore(path)
+    st.upsert([("u1", "t1", _usage("a", {"run": "r1", "task": "x"}, 1.0)),
+               ("u1", "t1", _usage("b", {"run": "r1", "task": "y"}, 2.0, ended=9.0)),
+               ("u1", "t1", _usage("c", {"run": "r2"}, 4.0)),
+               ("u2", "t2", _usage("d", {"run": "r1"}, 8.0))])
+    st.upsert([("u1", "t1", _usage("a", {"run": "r1", "task": "x"}, 1.5))])  # a later flush of a live one
+    st.close()
+    st = UsageStore(path)
+    assert st.totals("u1", {"run": "r1"}).cpu_seconds == pytest.approx(3.5)
+    assert st.totals("u1", {"run": "r1", "task": "y"}).sandboxes == 1
+    assert st.totals("u1", {"nope": "x"}).sandboxes == 0
+    assert st.totals("u2", {}).cpu_seconds == pytest.approx(8.0)
+    assert [(g.value, g.totals.sandboxes) for g in st.groups("u1", {}, "task")] == [("", 1), ("x", 1), ("y", 1)]
+    assert {s.sandbox_id for s in st.sandboxes("u1", {"run": "r1"}, 10)} == {"a", "b"}
+    assert sorted(st.open_sandboxes()) == ["a", "c", "d"]
+    assert st.prune(ended_before=10.0) == 1 and st.totals("u1", {"run": "r1"}).sandboxes == 1
+
+
+def test_parse_labels_names_the_bad_item() -> None:
+    assert parse_labels(["run=r1", "a=b=c"]) == {"run": "r1", "a": "b=c"}
+    with pytest.raises(InvalidArgument, match="'novalue'"):
+        parse_labels(["novalue"])
+
+
+def test_quota_model_needs_a_limit() -> None:
+    with pytest.raises(ValueError, match="max_sandboxes"):
+        LabelQuota(label="run=r1")
+    with pytest.raises(ValueError):
+        LabelQuota(label="run", max_sandboxes=1)
+
+
+async def test_quota_admission_counts_live_and_pending(tmp_path: Path) -> None:
+    """max_sandboxes counts live sandboxes with the label plus admitted creates not live
+    yet (two racing creates cannot both take the last place); release frees the place;
+    max_cpu_seconds refuses once the label's recorded CPU-seconds reach it; another
+    tenant's quota or label value is independent."""
+    settings = Settings(home=tmp_path)
+    state = SqliteStateStore(tmp_path / "state.db")
+    ledger = UsageLedger(settings, state, UsageStore(tmp_path / "state.db"))
+    t1 = TenantRecord(name="t1", uid="u1", token_hash="h1")
+    t2 = TenantRecord(name="t2", uid="u2", token_hash="h2")
+    await ledger.set_quota(t1, LabelQuota(label="run=r1", max_sandboxes=2))
+    await ledger.admit(t1, {"run": "r1"}, "s1")
+    await ledger.admit(t1, {"run": "r1", "task": "a"}, "s2")
+    with pytest.raises(QuotaExceeded) as ei:
+        await ledger.admit(t1, {"run": "r1"}, "s3")
+    assert ei.value.details["quota"] == "max_sandboxes" and ei.value.details["label"] == "run=r1"
+    await ledger.admit(t1, {"run": "r2"}, "s4")
+    await ledger.admit(t2, {"run": "r1"}, "s5")
+    ledger.release("s1")
+    await ledger.admit(t1, {"run": "r1"}, "s3")
+    ledger.store.upsert([("u1", "t1", _usage("old", {"run": "r9"}, 5.0, ended=2.0))])
+    await ledger.set_quota(t1, LabelQuota(label="run=r9", max_cpu_seconds=5.0))
+    with pytest.raises(QuotaExceeded) as ei:
+        await ledger.admit(t1, {"run": "r9"}, "s6")
+    assert ei.value.details["quota"] == "max_cpu_seconds" and "run=r9" in ei.value.message
+    await ledger.set_quota(t1, LabelQuota(label="run=r9", max_cpu_seconds=6.0))
+    await ledger.admit(t1, {"run": "r9"}, "s6")
+    assert [q.label for q in ledger.quotas(t1)] == ["run=r1", "run=r9"] and ledger.quotas(t2) == []
+    await ledger.delete_quota(t1, "run=r9")
+    with pytest.raises(NotFound):
+        await ledger.delete_quota(t1, "run=r9")
+    # Quotas are persisted: a new ledger (server restart) enforces them.
+    again = UsageLedger(settings, state, UsageStore(tmp_path / "state.db"))
+    again._quotas = await asyncio.to_thread(again.store.quotas)
+    assert [q.label for q in again.quotas(t1)] == ["run=r1"]
+    ledger.store.close()
+    again.store.close()
+    state.close()
+
+
+def test_exec_counts_only_tracked_sandboxes(tmp_path: Path) -> None:
+    """count_exec of an unknown sandbox is ignored (no entry is invented)."""
+    ledger = UsageLedger(Settings(home=tmp_path), SqliteStateStore(":memory:"), UsageStore(":memory:"))
+    ledger.count_exec("sb-unknown")
+    assert ledger.live == {} and ledger.collector.values == {}
