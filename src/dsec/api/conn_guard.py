@@ -15,12 +15,33 @@ requests stayed open indefinitely. This subclass of uvicorn's httptools protocol
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import Counter
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dsec.config import Settings
+
+log = logging.getLogger("dsec.api")
+
+
+class _RateLimitedLog:
+    """One warning per ``every_s`` with a count of what it stands for: a flood of bad
+    connections must not turn into a flood of log lines."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._last = -1e9
+        self._count = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            log.warning(msg + " (%d such connections closed since the last report)", *args, self._count)
+            self._last, self._count = now, 0
 
 
 def _close(transport: asyncio.BaseTransport | None) -> None:
@@ -33,6 +54,8 @@ class GuardedHttpTools(HttpToolsProtocol):
     pending_grace_s: float = 1.0
     max_pending_per_client: int = 64
     pending: Counter[str]  # client address -> connections with a partial header block
+    over_cap_log: _RateLimitedLog
+    timeout_log: _RateLimitedLog
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -56,9 +79,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         if not self._in_headers or self._counted or self.transport is None or self.transport.is_closing():
             return
         if self.pending[self._peer] >= self.max_pending_per_client:
-            self.logger.warning("closing a connection from %s without a complete request header: %d of this "
-                                "client's already wait for theirs (api_max_pending_per_client)", self._peer,
-                                self.pending[self._peer])
+            self.over_cap_log.warn("closing a connection from %s without a complete request header: %d of this "
+                                   "client's already wait for theirs (api_max_pending_per_client)", self._peer,
+                                   self.pending[self._peer])
             _close(self.transport)
             return
         self.pending[self._peer] += 1
@@ -95,8 +118,8 @@ class GuardedHttpTools(HttpToolsProtocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self._in_headers:
-            self.logger.info("closing a connection from %s: no complete request header within %gs "
-                             "(api_header_timeout_s)", self._peer, self.header_timeout_s)
+            self.timeout_log.warn("closing a connection from %s: no complete request header within %gs "
+                                  "(api_header_timeout_s)", self._peer, self.header_timeout_s)
             _close(self.transport)
 
 
@@ -106,4 +129,4 @@ def guarded_protocol(settings: Settings) -> type[Any]:
         "header_timeout_s": settings.api_header_timeout_s,
         "pending_grace_s": settings.api_pending_grace_s,
         "max_pending_per_client": settings.api_max_pending_per_client,
-        "pending": Counter()})
+        "pending": Counter(), "over_cap_log": _RateLimitedLog(), "timeout_log": _RateLimitedLog()})
