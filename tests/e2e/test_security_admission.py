@@ -67,12 +67,16 @@ def _live(s: Server, token: str) -> list[dict]:
 
 
 def _pool(s: Server, spec: dict, size: int, wait_ready: int = 0) -> None:
+    """Set the floor of ``spec``'s shape; wait until that shape has ``wait_ready`` members."""
     with _admin(s) as c:
         r = c.put("/v1/pools", json={"spec": spec, "size": size})
         assert r.status_code == 200, r.text
+        (mine,) = r.json()["pools"]
+        shape = {k: mine[k] for k in ("image", "isolation", "cpu", "memory", "disk", "network")}
         deadline = time.monotonic() + 120
         while wait_ready and time.monotonic() < deadline:
-            if sum(p["ready"] for p in c.get("/v1/pools").json()["pools"]) >= wait_ready:
+            pools = c.get("/v1/pools").json()["pools"]
+            if sum(p["ready"] for p in pools if all(p[k] == v for k, v in shape.items())) >= wait_ready:
                 return
             time.sleep(0.2)
         assert not wait_ready, "warm pool never filled"
@@ -170,14 +174,16 @@ def test_pids_above_the_node_limit_is_422(srv: Server) -> None:
         _drop_tenant(srv, "adm-pids", token)
 
 
-def test_warm_handover_gives_the_pids_asked_for(srv: Server) -> None:
-    """#6: with a warm member of the shape ready (built with the default 1024 pids), a
-    create asking pids=300 gets a sandbox whose pids cgroup limit (the real pids.max file
-    on the host) and info say 300, and a fork bomb stops there."""
-    _pool(srv, SMALL, 1, wait_ready=1)
+@pytest.mark.parametrize("isolation", ["container", pytest.param("gvisor", marks=pytest.mark.gvisor)])
+def test_warm_handover_gives_the_pids_asked_for(srv: Server, isolation: str) -> None:
+    """#6, both tiers: with a warm member of the shape ready (built with the default 1024
+    pids), a create asking pids=300 gets a sandbox whose pids cgroup limit (the real
+    pids.max file on the host) and info say 300."""
+    spec = {**SMALL, "isolation": isolation}
+    _pool(srv, spec, 1, wait_ready=1)
     try:
         with _admin(srv) as c:
-            r = c.post("/v1/sandboxes", json={**SMALL, "pids": 300})
+            r = c.post("/v1/sandboxes", json={**spec, "pids": 300})
             assert r.status_code == 201, r.text
             info = r.json()
             try:
@@ -189,7 +195,7 @@ def test_warm_handover_gives_the_pids_asked_for(srv: Server) -> None:
             finally:
                 c.delete(f"/v1/sandboxes/{info['id']}")
     finally:
-        _pool(srv, SMALL, 0)
+        _pool(srv, spec, 0)
 
 
 def test_bad_allow_list_is_refused_before_it_reaches_the_pool(srv: Server) -> None:
