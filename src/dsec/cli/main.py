@@ -25,6 +25,7 @@ from typer.core import TyperGroup
 # name -> ("module:attribute", one-line help shown by `dsec --help`).
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("dsec.cli.bench:app", "Benchmarks (each reports ratios against a baseline run side by side)."),
+    "cluster": ("dsec.cli.cluster:app", "Local Ray cluster of separate DSec nodes: up --nodes N, down."),
     "demo": ("dsec.cli.demo:register", "Run concurrent scripted coding-agent episodes on the local server."),
     "doctor": ("dsec.cli.doctor:register", "Check this host and the server; print what is wrong and the fix."),
     "drill": ("dsec.cli.drill:register", "Fault-injection drill of episode recovery."),
@@ -34,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kill": ("dsec.cli.sandbox:register", "Kill sandboxes by id, or all of yours matching --label k=v."),
     "logs": ("dsec.cli.sandbox:register", "Audit log of a sandbox: commands, exit codes, files written."),
     "network": ("dsec.cli.sandbox:register", "Show a sandbox's egress allow-list, or replace it live."),
+    "node": ("dsec.cli.node:app", "Cluster nodes: id, address, state, agent pid, sandboxes, allocation, images."),
     "pool": ("dsec.cli.pool:app", "Warm pools of pre-created sandboxes (admin)."),
     "ps": ("dsec.cli.sandbox:register", "List your sandboxes (state, image, age, labels, cpu/mem limits)."),
     "run": ("dsec.cli.sandbox:register", "Create a sandbox from IMAGE, run CMD in it, then kill it."),

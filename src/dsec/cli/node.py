@@ -1,0 +1,55 @@
+"""``dsec node ls``: the DSec nodes of a Ray cluster as their agents report them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from dsec.cli.common import handle_errors, human_bytes, out, print_json
+
+app = typer.Typer(help="Cluster nodes: id, address, state, agent, sandboxes, allocation, images.",
+                  no_args_is_help=True)
+
+
+def cluster_address(explicit: str | None) -> str:
+    """--cluster, else DSEC_CLUSTER, else the local cluster `dsec cluster up` recorded."""
+    if explicit:
+        return explicit
+    if os.environ.get("DSEC_CLUSTER"):
+        return os.environ["DSEC_CLUSTER"]
+    from dsec.cli.cluster import default_dir
+    from dsec.cluster.local import read_state
+    from dsec.errors import InvalidArgument
+
+    c = read_state(default_dir())
+    if c is None:
+        raise InvalidArgument("no cluster given: pass --cluster ray://HEAD:PORT, set DSEC_CLUSTER, or start one "
+                              "with `dsec cluster up`", field="cluster")
+    return c.address
+
+
+@app.command("ls")
+@handle_errors
+def ls(cluster: str | None = typer.Option(None, "--cluster", help="ray://HEAD:PORT (default: DSEC_CLUSTER)"),
+       as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the cluster's DSec nodes."""
+    import asyncio
+
+    from dsec.cluster.nodes import node_rows
+
+    rows: list[dict[str, Any]] = asyncio.run(node_rows(cluster_address(cluster)))
+    if as_json:
+        print_json(rows)
+        return
+    t = Table(box=None, header_style="bold")
+    for col in ("ID", "ADDRESS", "STATE", "AGENT PID", "SANDBOXES", "CPU ALLOC/BOUND", "MEM ALLOC/BOUND", "IMAGES"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["id"], r["address"], r["state"], str(r["agent_pid"] or "-"), str(r["sandboxes"]),
+                  f"{r['cpu_allocated']:g}/{r['cpu_bound']:g}",
+                  f"{human_bytes(r['memory_allocated'])}/{human_bytes(r['memory_bound'])}",
+                  ",".join(r["images"]) or "-")
+    out.print(t)

@@ -1,0 +1,82 @@
+"""Pure parts of the Ray cluster code, and the actor's dispatcher run in-process (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.cluster.local import plan
+from dsec.cluster.nodes import row
+from dsec.cluster.ray import NodeAgentServer, NodeCallError, parse_address
+from dsec.models import ExecRequest, SandboxSpec
+from dsec.node.api import LayerIndex, NodeCapacity, NodeHealth
+
+
+def test_parse_address() -> None:
+    """ray://HOST:PORT and HOST:PORT are accepted; anything else is InvalidArgument naming the field."""
+    assert parse_address("ray://127.0.0.2:6379") == "127.0.0.2:6379"
+    assert parse_address(" 10.0.0.1:1234 ") == "10.0.0.1:1234"
+    for bad in ("", "ray://", "host", "ray://host:port", "h:70000", "http://h:1"):
+        with pytest.raises(errors.InvalidArgument) as e:
+            parse_address(bad)
+        assert e.value.details["field"] == "cluster"
+
+
+def test_plan_gives_every_node_its_own_home_cgroup_range_and_address() -> None:
+    """Local nodes never share a DSEC_HOME, run dir, cgroup parent, sandbox range or address."""
+    nodes = plan(Path("/x"), 3, "t1")
+    for attr in ("node_id", "home", "run_dir", "cgroup_parent", "net_cidr", "ip"):
+        assert len({getattr(n, attr) for n in nodes}) == 3, attr
+    assert nodes[0].ip == "127.0.0.2" and [n.node_id for n in nodes] == ["n0", "n1", "n2"]
+    with pytest.raises(errors.InvalidArgument):
+        plan(Path("/x"), 0, "t")
+
+
+def test_error_crosses_as_a_value_and_keeps_its_class() -> None:
+    """A DSecError raised on the node comes back as the same class with message and details;
+    other exceptions become SandboxFailure; an unknown class name cannot pick a non-error."""
+    e = NodeCallError.of(errors.NotFound("sandbox x not found", sandbox_id="x")).error()
+    assert type(e) is errors.NotFound and e.message == "sandbox x not found" and e.details == {"sandbox_id": "x"}
+    assert type(NodeCallError.of(ValueError("boom")).error()) is errors.SandboxFailure
+    assert type(NodeCallError(cls="Settings", message="m").error()) is errors.SandboxFailure
+
+
+def test_node_row_states() -> None:
+    """ready when the agent answers healthy, unhealthy when it names problems, lost when
+    the Ray node is dead or its agent does not answer."""
+    cap = NodeCapacity(node_id="n1", cpu=2, memory=4 << 30, disk=1 << 30, max_sandboxes=10, isolation=["container"])
+    ok = NodeHealth(node_id="n1", ok=True, pid=7)
+    sick = NodeHealth(node_id="n1", ok=False, pid=7, problems=["no OCI runtime found"])
+    idx = LayerIndex(node_id="n1")
+    assert row("n1", "127.0.0.3", True, ok, cap, [], idx, 7, 1.5)["state"] == "ready"
+    assert row("n1", "127.0.0.3", True, sick, cap, [], idx, 7, 1.5)["state"] == "unhealthy"
+    assert row("n1", "127.0.0.3", False, ok, cap, [], idx, 7, 1.5)["state"] == "lost"
+    r = row("n1", "127.0.0.3", True, None, None, [], None, None, 1.5)
+    assert r["state"] == "lost" and r["cpu_bound"] == 0 and r["problems"] == ["agent unreachable"]
+    assert row("n1", "a", True, ok, cap, [], idx, 7, 1.5)["cpu_bound"] == 3.0
+
+
+async def test_server_dispatch_over_the_fake(tmp_path: Path) -> None:
+    """The actor's dispatcher forwards protocol methods only, returns errors as values, and
+    streams exec events ending the stream with None."""
+    srv = NodeAgentServer("fake", {"home": tmp_path, "node_id": "nX"})
+    cap = await srv.start()
+    assert cap.node_id == "nX"
+    info = await srv.call("create", (SandboxSpec(image="busybox"),), {"tenant": "t"})
+    assert info.node == "nX"
+    err = await srv.call("get", ("sb-nope",), {})
+    assert isinstance(err, NodeCallError) and err.cls == "NotFound"
+    refused = await srv.call("close", (), {})  # lifecycle is not a remote node method
+    assert isinstance(refused, NodeCallError) and refused.cls == "InvalidArgument"
+    sid = await srv.stream_open(info.id, ExecRequest(cmd="echo hi"))
+    items: list = []
+    while not items or items[-1] is not None:
+        items += await srv.stream_next(sid)
+    assert items[0].data == "hi\n" and items[-2].kind == "exit" and items[-1] is None
+    gone = await srv.stream_next(sid)
+    assert isinstance(gone[0], NodeCallError) and gone[-1] is None
+    with pytest.raises(errors.InvalidArgument):
+        NodeAgentServer("weird", {"home": tmp_path})
+    await srv.close()
