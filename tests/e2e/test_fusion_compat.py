@@ -28,7 +28,7 @@ from e2e_server import Server, ensure_images, reap_home, start_server
 pytestmark = pytest.mark.integration
 
 sandbox_fusion = pytest.importorskip("sandbox_fusion")
-from sandbox_fusion import RunCodeRequest, RunStatus, run_code  # noqa: E402
+from sandbox_fusion import RunCodeRequest, RunStatus, run_code
 
 IMAGES = ["busybox", "python", "cpp"]
 

@@ -54,6 +54,5 @@ def test_async_reset_and_median(server: Server) -> None:
 
 def test_reset_of_foreign_or_unknown_sandbox_is_404(server: Server) -> None:
     """Another tenant's sandbox and an unknown id answer 404, never a reset."""
-    with Client(server.url, server.token) as c:
-        with pytest.raises(NotFound):
-            c.reset("sb-000000000000")
+    with Client(server.url, server.token) as c, pytest.raises(NotFound):
+        c.reset("sb-000000000000")

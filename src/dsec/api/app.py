@@ -106,6 +106,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
                 gc_task.cancel()
                 gc_pauses.close()
                 gc.unfreeze()  # an app in a longer-lived process (tests) must not pin its objects
+                fusion = getattr(app.state, "fusion", None)
+                if fusion is not None:
+                    await fusion.pools.close()  # run_code pool members die with the server
                 if app.state.usage is not None:
                     await app.state.usage.close()  # last samples and totals written
                 await services.close()

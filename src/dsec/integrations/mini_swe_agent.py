@@ -62,13 +62,10 @@ class DSecEnvironmentConfig(BaseModel):
 def _kill(client: Client, sandbox_id: str, own_client: bool) -> None:
     try:
         client.kill(sandbox_id)
-    except Exception:  # noqa: BLE001 - already gone, or the server is down at exit
-        pass
+    except Exception as e:  # noqa: BLE001 - already gone, or the server is down at exit
+        logging.getLogger("minisweagent.environment").debug("kill of %s: %s", sandbox_id, e)
     if own_client:
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        client.close()
 
 
 class DSecEnvironment:

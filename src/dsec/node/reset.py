@@ -270,7 +270,7 @@ def _swap_root_in_namespace(init_pid: int, tree_fd: int, out: list[BaseException
         syscalls.umount(".", syscalls.MNT_DETACH)  # the old root, stacked on top of the new one
         os.chdir("/")
         out.append(removed_ipc)
-    except BaseException as e:  # reported to the caller's thread
+    except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
         out.append(e)
 
 

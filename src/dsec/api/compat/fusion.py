@@ -64,7 +64,7 @@ class RunCodeRequest(BaseModel):
     stdin: str | None = None
     files: dict[str, str | None] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
-    memory_limit_MB: int = -1  # noqa: N815 - SandboxFusion's field name
+    memory_limit_MB: int = -1  # SandboxFusion's field name
 
 
 class CommandRunResult(BaseModel):
@@ -388,4 +388,4 @@ def server_json_entry(base_url: str, token_hash: str) -> dict[str, str]:
     return {"fusion_url": fusion_url(base_url, token_hash)}
 
 
-__all__ = ["RunCodeRequest", "RunCodeResponse", "FusionService", "install_fusion", "fusion_url"]
+__all__ = ["FusionService", "RunCodeRequest", "RunCodeResponse", "fusion_url", "install_fusion"]

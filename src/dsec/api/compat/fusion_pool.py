@@ -28,6 +28,11 @@ log = logging.getLogger("dsec.fusion")
 POOL_LABEL = {"dsec.fusion": "pool"}
 IDLE_TRIM_S = 120.0
 """Free members unused this long are killed (their reservation goes back to the node)."""
+MAX_PARALLEL_CREATES = 4
+"""Creates in flight per pool: a burst of calls grows the pool a few at a time while
+returned members serve the rest (a create costs ~10x a reset)."""
+FULL_BACKOFF_S = 5.0
+"""After a create found no room (429/503), calls wait for members this long before trying again."""
 
 PoolKey = tuple[str, str, int]  # tenant uid (never the name: issue 18 #7), image, memory MB
 
@@ -44,6 +49,8 @@ class _Member:
 class _Pool:
     free: list[_Member] = field(default_factory=list)
     size: int = 0  # members that exist or are being created (free + busy + creating)
+    creating: int = 0
+    full_until: float = 0.0  # no creates before this (monotonic): the last one found no room
     waiters: deque[asyncio.Future[_Member | None]] = field(default_factory=deque)
 
 
@@ -91,49 +98,61 @@ class FusionPools:
         task.add_done_callback(self._tasks.discard)
 
     async def _acquire(self, tenant: TenantRecord, key: PoolKey) -> _Member:
+        """A free member at once, else wait for the first one back. Growing the pool runs
+        beside the wait (a create may queue for room; a returned member often comes first)."""
         await self._sweep_old_members(tenant)
         pool = self._pools.setdefault(key, _Pool())
-        while True:
-            now = time.monotonic()
-            self._trim(pool, now)
-            while pool.free:
-                m = pool.free.pop()  # most recently used first: warm caches
-                if now - m.born < self.settings.fusion_sandbox_ttl_s:
-                    self.counters["reused"] += 1
-                    return m
-                self._retire(key, pool, m)
-            if pool.size < self.settings.fusion_pool_max:
-                pool.size += 1
-                try:
-                    return await self._create(tenant, key)
-                except DSecError as e:
-                    pool.size -= 1
-                    self._wake(pool)
-                    # No room for one more (tenant quota, node full) but members exist:
-                    # wait for one of them instead of failing the call.
-                    if e.http_status not in (429, 503) or pool.size == 0:
-                        raise
-                except BaseException:
-                    pool.size -= 1
-                    self._wake(pool)
-                    raise
-            got = await self._wait(pool)
-            if got is not None:
-                return got
+        now = time.monotonic()
+        self._trim(pool, now)
+        while pool.free:
+            m = pool.free.pop()  # most recently used first: warm caches
+            if now - m.born < self.settings.fusion_sandbox_ttl_s:
+                self.counters["reused"] += 1
+                return m
+            self._retire(key, pool, m)
+        if pool.size == 0 or (pool.size < self.settings.fusion_pool_max and now >= pool.full_until
+                              and pool.creating < MAX_PARALLEL_CREATES
+                              and pool.creating < len(pool.waiters) + 1):
+            pool.size += 1
+            pool.creating += 1
+            self._spawn(self._grow(tenant, key, pool))
+        return await self._wait(pool)
 
-    async def _wait(self, pool: _Pool) -> _Member | None:
+    async def _grow(self, tenant: TenantRecord, key: PoolKey, pool: _Pool) -> None:
+        try:
+            member = await self._create(tenant, key)
+        except BaseException as e:
+            pool.size -= 1
+            if isinstance(e, DSecError) and e.http_status in (429, 503) and pool.size > 0:
+                # No room for one more (tenant quota, node full): the members there are serve.
+                pool.full_until = time.monotonic() + FULL_BACKOFF_S
+            elif pool.size == 0:  # nobody will ever hand a member back: fail the callers
+                while pool.waiters:
+                    fut = pool.waiters.popleft()
+                    if not fut.done():
+                        fut.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        finally:
+            pool.creating -= 1
+        if not self._wake(pool, member):
+            pool.free.append(member)
+
+    async def _wait(self, pool: _Pool) -> _Member:
         fut: asyncio.Future[_Member | None] = asyncio.get_running_loop().create_future()
         pool.waiters.append(fut)
         try:
-            return await fut
+            got = await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.result() is not None:
-                # handed a member while being cancelled: put it back
-                pool.free.append(fut.result())  # type: ignore[arg-type]
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                pool.free.append(fut.result())  # type: ignore[arg-type]  # handed one while cancelled
             raise
+        assert got is not None
+        return got
 
-    def _wake(self, pool: _Pool, member: _Member | None = None) -> bool:
-        """Hand ``member`` (or, with None, the right to create one) to the first live waiter."""
+    def _wake(self, pool: _Pool, member: _Member) -> bool:
+        """Hand ``member`` to the first live waiter."""
         while pool.waiters:
             fut = pool.waiters.popleft()
             if not fut.done():
@@ -155,13 +174,16 @@ class FusionPools:
         pool = self._pools.get(key)
         try:
             await self.svc.node.reset(member.id)  # type: ignore[attr-defined]
-        except Exception as e:  # dead (TTL, node restart) or broken: replace it
+        except Exception as e:  # noqa: BLE001 - dead (TTL, node restart) or broken: replace it
             self.counters["reset_failed"] += 1
             log.warning("run_code sandbox %s could not be reset (%s); replacing it", member.id, e)
             await self._kill(member)
             if pool is not None:
                 pool.size -= 1
-                self._wake(pool)
+                if pool.waiters:  # someone waits for this member: make a new one
+                    pool.size += 1
+                    pool.creating += 1
+                    self._spawn(self._grow(member.tenant, key, pool))
             return
         if pool is None:  # closed meanwhile
             await self._kill(member)
