@@ -85,6 +85,8 @@ class Settings(BaseSettings):
                                         "if still running: long commands never block others")
     demo_episodes: int = Field(16, description="Concurrent agent episodes run by `dsec demo`")
     demo_image: str = Field("python", description="Image used by `dsec demo` episodes")
+    doctor_min_free_disk: str = Field("5G", description="`dsec doctor`/serve warn below this free space under HOME")
+    doctor_min_nofile: int = Field(16384, description="`dsec doctor`/serve warn below this open-file hard limit")
     # --- API hardening: bodies, files, connections (issue 18 #2 #3 #5 #11 #12) ---
     api_max_json_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest JSON request body (413 past "
                                     "it; checked after auth, before reading); raw uploads use max_upload_bytes")
@@ -106,8 +108,6 @@ class Settings(BaseSettings):
                                             "with a half-sent request header; more are closed at once")
     api_pending_grace_s: float = Field(1.0, gt=0, description="A connection that sent no complete header this "
                                        "long after connect counts toward api_max_pending_per_client")
-    doctor_min_free_disk: str = Field("5G", description="`dsec doctor`/serve warn below this free space under HOME")
-    doctor_min_nofile: int = Field(16384, description="`dsec doctor`/serve warn below this open-file hard limit")
 
     # --- sandbox defaults (SPEC §1) ----------------------------------------------
     default_cpu: float = Field(1.0, description="CPU cap (cgroup limit) per sandbox")
@@ -258,6 +258,10 @@ class Settings(BaseSettings):
     agent_connect_timeout_s: float = Field(5.0, description="Max wait to connect to a sandbox's exec agent")
     agent_grace_s: float = Field(10.0, description="Wait past an exec's timeout before the agent is declared lost")
     agent_listen_backlog: int = Field(4096, description="listen() backlog of each sandbox's agent socket")
+    agent_keepalive_max_idle: int = Field(4, ge=0, description="Idle exec-agent connections kept per sandbox "
+                                          "for the next exec (0 = one connection per exec)")
+    agent_keepalive_idle_s: float = Field(20.0, gt=0, description="An idle kept-alive agent connection older "
+                                          "than this is closed, not reused (the agent ends it at 60 s)")
 
     # --- gVisor exec (added by the sandbox security suite; dsec.node.agent) ------------
     gvisor_exec_drain_s: float = Field(0.05, description="After a gVisor exec's command exits, wait this long "

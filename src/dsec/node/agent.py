@@ -56,6 +56,8 @@ class LocalNodeAgent:
         self._network = network
         self._net_lock = asyncio.Lock()
         self._cpu_base: dict[str, tuple[float, float]] = {}  # sandbox -> (CPU s, time) at hand-over
+        # idle kept-alive exec connections of a sandbox die with it: close them at teardown
+        self.manager.before_teardown.append(lambda sid: ac.agent_forget(self.manager.paths(sid).socket))
 
     async def _ensure_network(self) -> Any:
         """Start networking on first need: nodes that never open egress pay nothing."""

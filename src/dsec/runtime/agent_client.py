@@ -1,10 +1,17 @@
 """asyncio client of the in-sandbox exec agent (dsec-init); the node agent's only exec path.
 
-One connection per request (the agent forks one handler per connection, so a slow
-command never blocks another). Closing a connection before the exit frame cancels the
-exec: the agent kills the command's whole process tree. A timeout is a result
-(``timed_out=True``), not an exception; an unreachable agent or a broken stream raises
-``SandboxFailure`` naming the socket. Wire format: docs/exec-agent.md.
+The agent forks one handler per connection, so a slow command never blocks another.
+Foreground execs ask for keep-alive: after a clean exit frame that says so, the
+connection goes back to a small per-sandbox idle pool and carries the next exec
+(no connect, accept or handler fork: about half of a trivial exec's round trip). A
+connection serves one exec at a time, so two execs' output never share one; concurrent
+execs take more connections. A pooled connection the agent has meanwhile closed (idle
+limit, restart) is replaced transparently: the request is re-sent on a fresh connection
+only when the old one ended before answering anything, i.e. before the agent read it.
+Closing a connection before the exit frame cancels the exec: the agent kills the
+command's whole process tree. A timeout is a result (``timed_out=True``), not an
+exception; an unreachable agent or a broken stream raises ``SandboxFailure`` naming the
+socket. Wire format: docs/exec-agent.md.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +34,7 @@ __all__ = [
     "agent_background",
     "agent_exec",
     "agent_exec_stream",
+    "agent_forget",
     "agent_kill",
     "agent_ping",
     "agent_ps",
@@ -45,12 +54,18 @@ class ExecOutcome:
     pid: int | None = None  # the command's pid inside the sandbox
 
 
+class _Stale(Exception):
+    """A pooled connection ended before answering: the agent never read the request."""
+
+
 class _Conn:
     """One agent connection with frame reads bounded by an optional deadline."""
 
     def __init__(self, sock_path: Path, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.where = f"socket {sock_path}"
         self.reader, self.writer = reader, writer
+        self.reused = False  # came from the idle pool (it may have been closed meanwhile)
+        self.idle_since = 0.0
 
     @classmethod
     async def open(cls, sock_path: Path) -> _Conn:
@@ -66,12 +81,17 @@ class _Conn:
                 socket=str(sock_path)) from exc
         return cls(sock_path, reader, writer)
 
-    async def read_frame(self, deadline: float | None = None) -> tuple[bytes, bytes]:
+    async def read_frame(self, deadline: float | None = None, first: bool = False) -> tuple[bytes, bytes]:
         try:
             if deadline is None:
                 return await self._read()
             async with asyncio.timeout_at(deadline):
                 return await self._read()
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if first and self.reused and (not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial):
+                raise _Stale() from exc
+            raise SandboxFailure(f"exec agent at {self.where} broke the stream ({exc!r}); the sandbox "
+                                 "or its init process may have died", socket=self.where) from exc
         except TimeoutError:
             raise SandboxFailure(f"exec agent at {self.where} stopped answering (no reply past the exec "
                                  "timeout plus grace); the sandbox may be frozen or overloaded",
@@ -90,10 +110,17 @@ class _Conn:
             self.writer.write(data)
             await self.writer.drain()
         except OSError as exc:
+            if self.reused:
+                raise _Stale() from exc
             raise SandboxFailure(f"exec agent at {self.where} refused data ({exc!r})", socket=self.where) from exc
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except RuntimeError:  # its event loop is closed (a pooled conn outlived it): drop the fd
+            sock = getattr(self.writer.transport, "_sock", None)
+            if sock is not None:
+                sock.close()
 
     def unexpected(self, kind: bytes, payload: bytes) -> DSecError:
         if kind == b"F":
@@ -103,12 +130,56 @@ class _Conn:
         return SandboxFailure(f"exec agent at {self.where} sent an unexpected {kind!r} frame", socket=self.where)
 
 
-async def _feed_stdin(conn: _Conn, data: bytes) -> None:
-    # A command that exits without reading stdin closes the pipe; the exit frame decides.
+# Idle kept-alive connections: event loop -> socket path -> connections, newest last.
+# Per loop because asyncio transports belong to the loop that opened them.
+_idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, list[_Conn]]] = weakref.WeakKeyDictionary()
+
+
+def _idle_of(sock_path: Path) -> list[_Conn] | None:
+    return _idle.get(asyncio.get_running_loop(), {}).get(str(sock_path))
+
+
+async def _checkout(sock_path: Path) -> _Conn:
+    """A pooled idle connection when a fresh enough one is there, else a new one."""
+    conns = _idle_of(sock_path)
+    if conns:
+        horizon = time.monotonic() - get_settings().agent_keepalive_idle_s
+        while conns:
+            conn = conns.pop()
+            if conn.idle_since >= horizon and not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            conn.close()
+    return await _Conn.open(sock_path)
+
+
+def _checkin(sock_path: Path, conn: _Conn) -> bool:
+    """Keep conn for the next exec; False (caller closes it) when the pool is full."""
+    limit = get_settings().agent_keepalive_max_idle
+    per_loop = _idle.setdefault(asyncio.get_running_loop(), {})
+    conns = per_loop.setdefault(str(sock_path), [])
+    if len(conns) >= limit:
+        return False
+    conn.reused, conn.idle_since = True, time.monotonic()
+    conns.append(conn)
+    return True
+
+
+def agent_forget(sock_path: Path) -> None:
+    """Close the idle connections kept for sock_path (its sandbox is going away)."""
+    for per_loop in list(_idle.values()):
+        for conn in per_loop.pop(str(sock_path), []):
+            conn.close()
+
+
+async def _feed_stdin(conn: _Conn, data: bytes) -> bool:
+    """True once every stdin frame was written. A command that exits without reading
+    stdin closes the pipe; the exit frame decides the result."""
     with contextlib.suppress(OSError, SandboxFailure):
         for fr in p.stdin_frames(data):
             conn.writer.write(fr)
             await conn.writer.drain()
+        return True
+    return False
 
 
 async def agent_exec_stream(sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
@@ -119,18 +190,28 @@ async def agent_exec_stream(sock_path: Path, argv: list[str], *, env: dict[str, 
     Closing the iterator early (``aclose()``, or leaving ``contextlib.aclosing``) closes
     the connection, and the agent kills the command's process tree.
     """
-    request = p.encode_exec(argv, env, cwd, timeout, stdin=stdin is not None)
+    settings = get_settings()
+    keep = settings.agent_keepalive_max_idle > 0
+    request = p.encode_exec(argv, env, cwd, timeout, stdin=stdin is not None, keep_alive=keep)
     start = time.monotonic()
-    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout + get_settings().agent_grace_s
-    conn = await _Conn.open(sock_path)
-    feeder: asyncio.Task[None] | None = None
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout + settings.agent_grace_s
+    conn = await _checkout(sock_path) if keep else await _Conn.open(sock_path)
+    feeder: asyncio.Task[bool] | None = None
+    pooled = False
     try:
-        await conn.send(request)
+        try:
+            await conn.send(request)
+            kind, payload = await conn.read_frame(deadline, first=True)
+        except _Stale:
+            # the agent closed this idle connection without reading the request: resend fresh
+            conn.close()
+            conn = await _Conn.open(sock_path)
+            await conn.send(request)
+            kind, payload = await conn.read_frame(deadline)
         if stdin is not None:
             feeder = asyncio.create_task(_feed_stdin(conn, stdin))
         pid = None
         while True:
-            kind, payload = await conn.read_frame(deadline)
             if kind == b"O":
                 yield ("stdout", payload)
             elif kind == b"E":
@@ -139,14 +220,25 @@ async def agent_exec_stream(sock_path: Path, argv: list[str], *, env: dict[str, 
                 pid = p.decode_pid(payload)
             elif kind == b"X":
                 code, timed_out = p.decode_exit(payload)
+                # back to the pool before the last yield: a consumer may stop right there
+                if keep and p.exit_reusable(payload) and (feeder is None or _fed(feeder)):
+                    pooled = _checkin(sock_path, conn)
                 yield ExecOutcome(code, b"", b"", timed_out, False, time.monotonic() - start, pid)
                 return
             else:
                 raise conn.unexpected(kind, payload)
+            kind, payload = await conn.read_frame(deadline)
     finally:
-        if feeder is not None:
+        if feeder is not None and not feeder.done():
             feeder.cancel()
-        conn.close()
+        if not pooled:
+            conn.close()
+
+
+def _fed(feeder: asyncio.Task[bool]) -> bool:
+    """All stdin frames, the final 'i' included, went out (the agent drains them before
+    it reads the next request); a feeder still running or failed makes the conn unusable."""
+    return feeder.done() and not feeder.cancelled() and feeder.result() is True
 
 
 async def agent_exec(sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,

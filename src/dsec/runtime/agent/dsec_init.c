@@ -2,9 +2,13 @@
  * dsec-init: PID 1 and in-sandbox exec agent of every DSec sandbox.
  *
  * Modes (see docs/exec-agent.md for the wire protocol):
- *   dsec-init [serve] [--fd N]   PID-1 agent: accept()s host connections on the listening
+ *   dsec-init [serve] [--fd N] [--filter]
+ *                                PID-1 agent: accept()s host connections on the listening
  *                                AF_UNIX socket inherited as fd N (default 3). Without a
  *                                listening socket there it is a plain reaping init.
+ *                                --filter: every command starts under run mode's seccomp
+ *                                filter (the gVisor tier, where runsc applies no OCI profile
+ *                                to processes it did not start itself).
  *   dsec-init run [--timeout-ms N] [--cwd DIR] -- argv...
  *                                one command, stdio passed through, tree-kill on timeout
  *                                (exit 124) or on SIGTERM/SIGINT/SIGHUP (exit 128+sig).
@@ -52,6 +56,7 @@
 #define MAX_BG 1024                   /* background process table */
 #define BG_ARGV_KEEP 512              /* argv bytes kept per background entry for ps */
 #define LINGER_MS 2000                /* wait for host close after exit when stdin open */
+#define KEEPALIVE_IDLE_MS 60000       /* a kept-alive connection with no request ends */
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* failure kinds carried in 'F' frames */
@@ -391,20 +396,49 @@ static size_t outlen;
 static unsigned char inbuf[INBUF];
 static size_t inlen;
 
-/* One foreground exec on one connection; runs in a process forked from PID 1. */
-static void handler_main(int conn, struct request *rq)
-{
-    if (conn > 3) close_range(3, (unsigned)conn - 1, 0);
-    close_range((unsigned)conn + 1, ~0U, 0);
-    prctl(PR_SET_CHILD_SUBREAPER, 1);
-    signal(SIGPIPE, SIG_IGN);
-    int sigs[] = { SIGCHLD };
-    int sigfd = make_sigfd(sigs, 1);
-    int fl = fcntl(conn, F_GETFL);
-    fcntl(conn, F_SETFL, fl | O_NONBLOCK);
+static const char *parse_request(unsigned char *p, uint32_t len, struct request *rq);
+static int exec_filter;   /* serve --filter: commands start under install_run_filter (gVisor tier) */
+static int no_subreaper;  /* PR_SET_CHILD_SUBREAPER refused (gVisor): orphans escape to PID 1 */
 
+/* Cancel/timeout kill of one exec's tree. Without subreaper status, orphans re-parent to
+   PID 1 where kill_tree cannot see them: freeze the /proc tree below us first (run mode's
+   way), so setsid daemons cannot outlive the exec on gVisor either. */
+static void handler_kill(pid_t child, int *status, int *done, int sigfd)
+{
+    if (no_subreaper) freeze_and_kill_descendants();
+    kill_tree(child, child, status, done, sigfd);
+}
+
+/* Read exactly n bytes from the non-blocking conn within timeout_ms; 0 ok, -1 EOF/error/late. */
+static int conn_read_exact(int conn, unsigned char *buf, size_t n, int timeout_ms)
+{
+    int64_t until = now_ms(CLOCK_MONOTONIC) + timeout_ms;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(conn, buf + got, n - got, 0);
+        if (r > 0) { got += (size_t)r; continue; }
+        if (r == 0) return -1;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN) return -1;
+        int64_t left = until - now_ms(CLOCK_MONOTONIC);
+        struct pollfd pf = { conn, POLLIN, 0 };
+        if (left <= 0 || poll(&pf, 1, (int)left) <= 0) return -1;
+    }
+    return 0;
+}
+
+/*
+ * One foreground exec on conn. Returns 1 when the host asked for keep-alive (flags bit 1)
+ * and the connection can carry the next request: the exit frame was delivered, stdin is
+ * closed and nothing of this exec is left running under us, so no later output or later
+ * tree-kill can ever mix with another exec's. Cancel and broken-connection paths _exit.
+ */
+static int handler_exec(int conn, struct request *rq, int sigfd)
+{
     int po[2], pe[2], pi[2];
-    if (sigfd < 0 || pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC) || pipe2(pi, O_CLOEXEC)) {
+    outlen = 0;
+    inlen = 0;
+    if (pipe2(po, O_CLOEXEC) || pipe2(pe, O_CLOEXEC) || pipe2(pi, O_CLOEXEC)) {
         send_failure(conn, F_RESOURCE, "cannot create pipes: %s", strerror(errno));
         _exit(1);
     }
@@ -417,10 +451,14 @@ static void handler_main(int conn, struct request *rq)
         reset_signals();
         setsid();
         dup2(pi[0], 0); dup2(po[1], 1); dup2(pe[1], 2);
+        if (exec_filter && install_run_filter() < 0) {  /* fail closed */
+            dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+            _exit(125);
+        }
         exec_command(rq->argv, rq->envp, rq->cwd, 2);
     }
     close(po[1]); close(pe[1]); close(pi[0]);
-    int stdin_on = rq->flags & 1;
+    int stdin_on = rq->flags & 1, keep = (rq->flags & 2) != 0, reuse = 0;
     int in_w = pi[1];
     if (!stdin_on) { close(in_w); in_w = -1; }
     else fcntl(in_w, F_SETFL, O_NONBLOCK);
@@ -440,12 +478,20 @@ static void handler_main(int conn, struct request *rq)
 
     for (;;) {
         if (done && pipes[0] < 0 && pipes[1] < 0 && !x_queued) {
-            unsigned char x[10];
-            put_u32(x, 6); x[4] = 'X';
+            if (keep) {
+                pid_t kids[1];
+                while (waitpid(-1, NULL, WNOHANG) > 0) {}
+                /* a job the command left behind is ours (subreaper): a later exec's tree-kill
+                   would reach it, so this connection ends here and the job goes to PID 1 */
+                reuse = list_children(kids, 1) == 0;
+            }
+            unsigned char x[11];
+            put_u32(x, keep ? 7 : 6); x[4] = 'X';
             put_u32(x + 5, (uint32_t)status_to_code(status));
             x[9] = (unsigned char)timed_out;
-            memcpy(outbuf + outlen, x, 10);  /* room: reading stops while OUTBUF is near full */
-            outlen += 10;
+            x[10] = (unsigned char)reuse;  /* only sent when the host asked for keep-alive */
+            memcpy(outbuf + outlen, x, keep ? 11 : 10);  /* room: reading stops while OUTBUF is near full */
+            outlen += keep ? 11 : 10;
             x_queued = 1;
         }
         if (x_queued && outlen == 0) break;
@@ -456,7 +502,7 @@ static void handler_main(int conn, struct request *rq)
         pf[np] = (struct pollfd){ conn, (short)(POLLRDHUP | (want_in ? POLLIN : 0) | (outlen ? POLLOUT : 0)), 0 };
         ic = np++;
         for (int i = 0; i < 2; i++)
-            if (pipes[i] >= 0 && OUTBUF - outlen >= CHUNK + 5 + 10) {
+            if (pipes[i] >= 0 && OUTBUF - outlen >= CHUNK + 5 + 11) {
                 pf[np] = (struct pollfd){ pipes[i], POLLIN, 0 };
                 ip[i] = np++;
             }
@@ -477,32 +523,32 @@ static void handler_main(int conn, struct request *rq)
         if (r < 0) continue;
 
         if (deadline && !done && now_ms(CLOCK_MONOTONIC) >= deadline) {
-            kill_tree(child, child, &status, &done, sigfd);
+            handler_kill(child, &status, &done, sigfd);
             timed_out = 1;
         }
         if (pf[ic].revents & (POLLHUP | POLLERR | POLLRDHUP)) {
             /* host went away (or cancelled): the command must not outlive its exec */
-            kill_tree(child, child, &status, &done, sigfd);
+            handler_kill(child, &status, &done, sigfd);
             _exit(0);
         }
         if (pf[ic].revents & POLLOUT && outlen) {
             ssize_t n = send(conn, outbuf, outlen, MSG_NOSIGNAL);
             if (n > 0) { memmove(outbuf, outbuf + n, outlen - (size_t)n); outlen -= (size_t)n; }
             else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-                kill_tree(child, child, &status, &done, sigfd);
+                handler_kill(child, &status, &done, sigfd);
                 _exit(0);
             }
         }
         if (pf[ic].revents & POLLIN) {
             ssize_t n = recv(conn, inbuf + inlen, INBUF - inlen, 0);
-            if (n == 0) { kill_tree(child, child, &status, &done, sigfd); _exit(0); }
+            if (n == 0) { handler_kill(child, &status, &done, sigfd); _exit(0); }
             if (n > 0) inlen += (size_t)n;
         }
         /* stdin frames: 'I' data goes to the pipe, 'i' closes it; junk ends the exec */
-        while (inlen >= 5) {
+        while (inlen >= 5 && !stdin_eof) {
             uint32_t flen = get_u32(inbuf);
             if (flen < 1 || flen > CHUNK + 1 || (inbuf[4] != 'I' && inbuf[4] != 'i')) {
-                kill_tree(child, child, &status, &done, sigfd);
+                handler_kill(child, &status, &done, sigfd);
                 send_failure(conn, F_BAD_REQUEST, "bad stdin frame (type %d, length %u)", inbuf[4], flen);
                 _exit(0);
             }
@@ -563,6 +609,23 @@ static void handler_main(int conn, struct request *rq)
             }
         }
     }
+    if (in_w >= 0) close(in_w);
+    if (reuse) {
+        /* the host finishes stdin it had started ('I'... then 'i') before its next request:
+           drain those frames exactly, never reading a byte of the next request */
+        while (!stdin_eof && stdin_on) {
+            if (inlen < 5 && conn_read_exact(conn, inbuf + inlen, 5 - inlen, LINGER_MS) < 0) _exit(0);
+            if (inlen < 5) inlen = 5;
+            uint32_t flen = get_u32(inbuf);
+            if (flen < 1 || flen > CHUNK + 1 || (inbuf[4] != 'I' && inbuf[4] != 'i')) _exit(0);
+            if (inlen < 4 + flen && conn_read_exact(conn, inbuf + inlen, 4 + flen - inlen, LINGER_MS) < 0) _exit(0);
+            if (inlen > 4 + flen) _exit(0);  /* bytes past the frame: the host pipelined, not allowed */
+            stdin_eof = inbuf[4] == 'i';
+            inlen = 0;
+        }
+        if (inlen) _exit(0);  /* bytes after 'i' before our exit frame: the host pipelined */
+        return 1;
+    }
     /* Unread stdin on close would reset the host's read of 'X': let the host close first. */
     if (stdin_on && !stdin_eof) {
         shutdown(conn, SHUT_WR);
@@ -573,6 +636,48 @@ static void handler_main(int conn, struct request *rq)
             if (left <= 0 || poll(&pf, 1, (int)left) <= 0) break;
             if (recv(conn, inbuf, INBUF, 0) <= 0) break;
         }
+    }
+    return 0;
+}
+
+/*
+ * A connection's handler, forked from PID 1 with its first request. With keep-alive the
+ * same process then serves further 'E' requests on the connection one after another
+ * (saves the connect, accept and handler fork per exec); concurrency comes from more
+ * connections. An idle connection ends after KEEPALIVE_IDLE_MS or when the host closes it.
+ */
+static void handler_main(int conn, struct request *rq)
+{
+    static unsigned char *reqbuf;
+    if (conn > 3) close_range(3, (unsigned)conn - 1, 0);
+    close_range((unsigned)conn + 1, ~0U, 0);
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1) < 0) no_subreaper = 1;
+    signal(SIGPIPE, SIG_IGN);
+    int sigs[] = { SIGCHLD };
+    int sigfd = make_sigfd(sigs, 1);
+    int fl = fcntl(conn, F_GETFL);
+    fcntl(conn, F_SETFL, fl | O_NONBLOCK);
+    if (sigfd < 0) {
+        send_failure(conn, F_RESOURCE, "cannot create a signalfd: %s", strerror(errno));
+        _exit(1);
+    }
+    while (handler_exec(conn, rq, sigfd)) {
+        unsigned char hdr[5];
+        if (conn_read_exact(conn, hdr, 5, KEEPALIVE_IDLE_MS) < 0) _exit(0);
+        uint32_t flen = get_u32(hdr);
+        if (hdr[4] != 'R' || flen < 2 || flen > MAX_REQUEST) {
+            send_failure(conn, F_BAD_REQUEST, "expected a request frame of at most %u bytes", MAX_REQUEST);
+            _exit(0);
+        }
+        free(reqbuf);
+        reqbuf = malloc(flen - 1);
+        if (!reqbuf) { send_failure(conn, F_RESOURCE, "out of memory"); _exit(1); }
+        if (conn_read_exact(conn, reqbuf, flen - 1, REQUEST_READ_MS) < 0) _exit(0);
+        static struct request next;
+        const char *err = parse_request(reqbuf, flen - 1, &next);
+        if (!err && next.op != 'E') err = "only exec requests can follow on a kept-alive connection";
+        if (err) { send_failure(conn, F_BAD_REQUEST, "bad request: %s", err); _exit(0); }
+        rq = &next;
     }
     _exit(0);
 }
@@ -784,6 +889,10 @@ static int dispatch(int i)
         }
         dup2(out, 1);
         dup2(out, 2);
+        if (exec_filter && install_run_filter() < 0) {  /* fail closed */
+            dprintf(ep[1], "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+            _exit(125);
+        }
         exec_command(rq.argv, rq.envp, NULL, ep[1]);
     }
     close(ep[1]);
@@ -1023,8 +1132,9 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "serve") == 0) continue;
         if (strcmp(argv[i], "--fd") == 0 && i + 1 < argc) { fd = atoi(argv[++i]); continue; }
+        if (strcmp(argv[i], "--filter") == 0) { exec_filter = 1; continue; }
         if (strcmp(argv[i], "--version") == 0) { printf("%s protocol %d\n", AGENT_IDENT, PROTO_VERSION); return 0; }
-        logmsg("unknown argument '%s'; usage: dsec-init [serve] [--fd N] | run [--timeout-ms N] [--cwd DIR] -- argv...", argv[i]);
+        logmsg("unknown argument '%s'; usage: dsec-init [serve] [--fd N] [--filter] | run [--timeout-ms N] [--cwd DIR] -- argv...", argv[i]);
         return 2;
     }
     serve(fd);

@@ -58,9 +58,16 @@ def timeout_to_ms(timeout: float | None) -> int:
     return min(MAX_TIMEOUT_MS, max(1, math.ceil(timeout * 1000)))
 
 
+FLAG_STDIN, FLAG_KEEPALIVE = 1, 2  # exec request flags
+
+
 def encode_exec(argv: list[str], env: dict[str, str], cwd: str, timeout: float | None, *,
-                stdin: bool = False, background_output: str | None = None) -> bytes:
-    """The 'R' frame of a foreground ('E') or background ('B', when background_output is set) exec."""
+                stdin: bool = False, background_output: str | None = None, keep_alive: bool = False) -> bytes:
+    """The 'R' frame of a foreground ('E') or background ('B', when background_output is set) exec.
+
+    keep_alive asks the agent to keep the connection for the next exec; its exit frame
+    then says whether it did (``exit_reusable``). Agents before keep-alive ignore the bit.
+    """
     if not argv or not argv[0]:
         raise InvalidArgument("exec argv must be a non-empty list with a non-empty program name")
     if len(argv) + len(env) > MAX_STRINGS:
@@ -70,7 +77,8 @@ def encode_exec(argv: list[str], env: dict[str, str], cwd: str, timeout: float |
             raise InvalidArgument(f"environment variable name {key!r} is empty or contains '='")
     op = OP_BACKGROUND if background_output is not None else OP_EXEC
     parts = [bytes([PROTO_VERSION]), op,
-             struct.pack(">IIIB", timeout_to_ms(timeout), len(argv), len(env), 1 if stdin else 0),
+             struct.pack(">IIIB", timeout_to_ms(timeout), len(argv), len(env),
+                         (FLAG_STDIN if stdin else 0) | (FLAG_KEEPALIVE if keep_alive else 0)),
              _cstr(cwd, "cwd")]
     parts += [_cstr(a, "argv entry") for a in argv]
     parts += [_cstr(f"{k}={v}", f"env {k}") for k, v in env.items()]
@@ -118,6 +126,12 @@ def decode_exit(payload: bytes) -> tuple[int, bool]:
     """(exit code, timed_out) of an 'X' frame; signals are 128+signo."""
     code, timed_out = _unpack(">iB", payload, "exit")
     return code, bool(timed_out)
+
+
+def exit_reusable(payload: bytes) -> bool:
+    """Whether an 'X' frame says the connection takes the next request (keep-alive was
+    asked and the agent kept it: nothing of the exec is left running under its handler)."""
+    return len(payload) >= 6 and payload[5] == 1
 
 
 def decode_ping(payload: bytes) -> tuple[int, str]:
