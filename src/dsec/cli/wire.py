@@ -41,7 +41,7 @@ class Target:
     retries: int
     backoff_s: float
     backoff_max_s: float
-    token_source: str  # "DSEC_TOKEN", "config", "<home>/token" or "none": named in error messages
+    token_source: str  # "DSEC_TOKEN", "token in <DSEC_CONFIG>", "<home>/token" or "none": for error messages
 
 
 def _settings(env: Mapping[str, str]) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _settings(env: Mapping[str, str]) -> dict[str, Any]:
         val: Any = raw if raw is not None else toml.get(name, default)
         if val is not None and isinstance(default, int | float):
             val = type(default)(val)
-        out[name] = None if val is None else val
+        out[name] = val
     out["token_from"] = "DSEC_TOKEN" if "DSEC_TOKEN" in upper else f"token in {path}"
     return out
 
