@@ -196,3 +196,13 @@ def test_hot_commands_against_a_server_stay_light(server: Server) -> None:
                            text=True, timeout=120, check=False)
         code, loaded = json.loads(r.stderr.strip().splitlines()[-1])
         assert code in (0, None) and loaded == [], (args, code, loaded)
+
+
+def test_busybox_wget_fails_cleanly_instead_of_crashing(server: Server) -> None:
+    """The busybox image's wget is the static client: with a timeout (busybox-static's own
+    wget segfaults there, exit 139) a refused connection is exit 1 with a message, and
+    https:// points at the python image."""
+    r = server.cli("run", "busybox", "--", "wget", "-q", "-T", "2", "-O-", "http://127.0.0.1:1/", check=False)
+    assert r.returncode == 1 and "can't connect to remote host 127.0.0.1:1" in r.stderr, r.stderr
+    r = server.cli("run", "busybox", "--", "wget", "-qO-", "https://127.0.0.1:1/", check=False)
+    assert r.returncode == 1 and "use the python image" in r.stderr
