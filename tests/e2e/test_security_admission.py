@@ -262,3 +262,32 @@ def test_episode_open_is_judged_like_a_create(srv: Server) -> None:
     finally:
         _drop_tenant(srv, "adm-epi", any_image)
         _drop_tenant(srv, "adm-epi-py", python_only)
+
+
+def test_episode_sandboxes_count_against_the_tenant_quota(srv: Server) -> None:
+    """#4 via episodes: an episode's sandbox is admitted like any create. With
+    ``max_sandboxes=1``, a tenant holding one episode cannot create a sandbox, and a
+    tenant holding a sandbox cannot open an episode (before: episodes were built on the
+    node directly, invisible to the quota, so a tenant could hold any number of them)."""
+    token = _tenant(srv, "quota-epi", max_sandboxes=1)
+    hdr = {"authorization": f"Bearer {token}"}
+    try:
+        with httpx.Client(base_url=srv.url, headers=hdr, timeout=120) as c:
+            r = c.post("/v1/episodes/e1/open", json={"spec": SMALL})
+            assert r.status_code == 200, r.text
+            live = _live(srv, token)
+            assert len(live) == 1, live  # the episode's sandbox is the tenant's, listed and counted
+            r = c.post("/v1/sandboxes", json=SMALL)
+            assert r.status_code == 429, r.text
+            assert r.json()["details"]["quota"] == "max_sandboxes"
+            r = c.post("/v1/episodes/e2/open", json={"spec": SMALL})
+            assert r.status_code == 429, r.text
+            assert c.delete("/v1/episodes/e1").status_code == 204
+            assert _live(srv, token) == []  # closing it frees the quota
+            r = c.post("/v1/sandboxes", json=SMALL)
+            assert r.status_code == 201, r.text
+            r = c.post("/v1/episodes/e3/open", json={"spec": SMALL})
+            assert r.status_code == 429, r.text
+            assert c.get("/v1/episodes/e3").status_code == 404  # refused: nothing was created
+    finally:
+        _drop_tenant(srv, "quota-epi", token)

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Body, Depends, FastAPI, Header, Path, Request, Re
 from pydantic import BaseModel, Field
 
 from dsec.checkpoints.engine import EpisodeEngine
+from dsec.checkpoints.host import EPISODE_TENANT
 from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.state.keys import episode_key
@@ -46,7 +47,12 @@ async def _engine(request: Request) -> EpisodeEngine:
 
 async def _tenant(request: Request) -> Any:
     # Own dependency (same auth as every route) so this router does not track deps.py's shape.
-    return request.app.state.services.auth.authenticate(request.headers.get("authorization"))
+    tenant = request.app.state.services.auth.authenticate(request.headers.get("authorization"))
+    # Sandboxes the engine makes or destroys during this call are the tenant's (admission,
+    # quotas, scheduler): a plain async dependency runs in the endpoint's task, so the
+    # engine's awaits (and the tasks they start) see it.
+    EPISODE_TENANT.set(tenant)
+    return tenant
 
 
 Engine = Annotated[EpisodeEngine, Depends(_engine)]
@@ -137,6 +143,6 @@ def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
     store = open_checkpoint_store(s)
     # Tenants from before uids: their episodes/checkpoints move to uid keys (once, at start).
     migrate_legacy_keys(services.state, store, s.checkpoint_journal_dir or s.home / "journals")
-    engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node))
+    engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node, services.sandboxes))
     include_episodes(app, engine)
     return engine

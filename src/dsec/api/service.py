@@ -228,13 +228,16 @@ class SandboxService:
             except NotFound:
                 raise _unknown_image(spec.image) from None
 
-    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
-        """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
-        await self.check_spec(tenant, spec)
+    def _check_inflight(self) -> None:
         if self._inflight >= self.settings.api_max_inflight_creates:
             self.metrics.creates.labels(result=Overloaded.code).inc()
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
                              " retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
+
+    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
+        """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
+        await self.check_spec(tenant, spec)
+        self._check_inflight()
         if spec.request_id is None:
             return await self._create_new(tenant, spec, new_sandbox_id(), creator)
         key = (tenant.uid, spec.request_id)
@@ -243,6 +246,15 @@ class SandboxService:
                 return await self._create_idempotent(tenant, spec, creator)
             finally:
                 self._idem_locks.pop(key, None)
+
+    async def create_as(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
+                        creator: Creator) -> SandboxInfo:
+        """A create whose caller picked the id and how the sandbox is built: an episode's
+        sandbox (recorded in the blob store before it exists, built on checkpoint layers).
+        It is admitted, placed, owned and audited like any create, so an episode is no way
+        around the tenant's quotas or the node's bound (issue 18 #4)."""
+        self._check_inflight()
+        return await self._create_new(tenant, spec, sandbox_id, creator)
 
     async def _create_idempotent(self, tenant: TenantRecord, spec: SandboxSpec,
                                  creator: Creator | None = None) -> SandboxInfo:

@@ -6,8 +6,9 @@ onto this protocol so the engine stays independent of how sandboxes are made.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -20,6 +21,15 @@ class ImageView(BaseModel):
 
     compat: Compat
     lower_dirs: list[Path] = Field(default_factory=list, description="Unpacked image layers (host)")
+
+
+EPISODE_TENANT: ContextVar[Any] = ContextVar("dsec_episode_tenant", default=None)
+"""The tenant an episode call runs for (set by the API's episode routes).
+
+The engine is tenant-agnostic (its keys already carry the tenant's uid); a host that
+makes sandboxes for a tenant reads this to put them through the tenant's admission and
+the scheduler, on every path that makes one (open, resume, a step replacing a dirty
+sandbox), without threading the tenant through the engine's recovery code."""
 
 
 @runtime_checkable

@@ -13,14 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from dsec import errors
-from dsec.checkpoints.host import ImageView
+from dsec.checkpoints.host import EPISODE_TENANT, ImageView
 from dsec.checkpoints.unit import Compat
 from dsec.models import ExecRequest, ExecResult, SandboxSpec
 
 
 class NodeEpisodeHost:
-    def __init__(self, node: Any) -> None:
+    """``sandboxes`` (the API's SandboxService): when an episode call runs for a tenant
+    (``EPISODE_TENANT``), its sandboxes are made and destroyed through it, so they count
+    against the tenant's quotas and the node's bound like any other (issue 18 #4)."""
+
+    def __init__(self, node: Any, sandboxes: Any = None) -> None:
         self.node = node
+        self.sandboxes = sandboxes
         self.manager = node.manager
         self._skipped: set[str] = set()
 
@@ -34,7 +39,14 @@ class NodeEpisodeHost:
                          lower_dirs=list(dirs))
 
     async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path], sandbox_id: str) -> str:
-        info = await self.node.create(spec, sandbox_id=sandbox_id, extra_lower_dirs=extra_lower_dirs)
+        tenant = EPISODE_TENANT.get()
+        if tenant is None or self.sandboxes is None:  # drills, benches: no tenant to account
+            info = await self.node.create(spec, sandbox_id=sandbox_id, extra_lower_dirs=extra_lower_dirs)
+            return info.id
+
+        async def build(s: SandboxSpec, sid: str, tenant_name: str) -> Any:
+            return await self.node.create(s, sandbox_id=sid, tenant=tenant_name, extra_lower_dirs=extra_lower_dirs)
+        info = await self.sandboxes.create_as(tenant, spec, sandbox_id, build)
         return info.id
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
@@ -44,8 +56,12 @@ class NodeEpisodeHost:
         # A server killed between freeze and thaw leaves the sandbox frozen, and frozen
         # tasks cannot die: the node's cleanup would then fail (EBUSY) on every retry.
         await asyncio.to_thread(self._thaw_cgroup, sandbox_id)
+        tenant = EPISODE_TENANT.get()
         try:
-            await self.node.destroy(sandbox_id)
+            if tenant is not None and self.sandboxes is not None:
+                await self.sandboxes.kill(tenant, sandbox_id)  # frees its scheduler capacity too
+            else:
+                await self.node.destroy(sandbox_id)
         except errors.NotFound:
             pass
         except errors.Conflict:
