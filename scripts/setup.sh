@@ -29,6 +29,7 @@ APT_PACKAGES=(
   gcc libc6-dev            # builds the static sandbox init (dsec-init)
   util-linux iproute2 nftables  # unshare/setpriv, netns/veth, egress policy
   podman umoci skopeo      # baselines for benchmarks, OCI interop tests
+  docker-registry apache2-utils  # CNCF distribution registry + htpasswd: image push/pull tests
   redis-server socat iperf3     # multi-node state tests, network tests
   python3-venv ca-certificates
 )
