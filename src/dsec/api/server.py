@@ -46,6 +46,9 @@ def ensure_local_token(services: Services) -> str:
 
 def build_embedded(settings: Settings) -> Services:
     """State store + the real node agent (adopts/cleans sandboxes in its ``start()``)."""
+    if settings.cluster:  # sandboxes on a Ray cluster's nodes, behind a router
+        from dsec.cluster.serve import build_cluster
+        return build_cluster(settings)  # type: ignore[no-any-return]
     from dsec.node.agent import LocalNodeAgent
 
     settings.home.mkdir(parents=True, exist_ok=True)

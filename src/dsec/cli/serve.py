@@ -16,6 +16,8 @@ def register(app: typer.Typer) -> None:
     def serve(host: str | None = typer.Option(None, "--host", help="Bind address (default Settings.host)"),
               port: int | None = typer.Option(None, "--port", help="Port (default Settings.port; 0 = any)"),
               home: Path | None = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
+              cluster: str | None = typer.Option(None, "--cluster", help="Run sandboxes on this Ray cluster's "
+                                                 "DSec nodes: ray://HEAD:PORT (default DSEC_CLUSTER)"),
               log_level: str = typer.Option("info", "--log-level")) -> None:
         """Run the DSec server (state under DSEC_HOME; Ctrl-C shuts down gracefully).
 
@@ -26,6 +28,8 @@ def register(app: typer.Typer) -> None:
         over: dict[str, object] = {}
         if home is not None:
             over["home"] = home
+        if cluster is not None:
+            over["cluster"] = cluster
         settings = load_settings(**over)
         bind_host, bind_port = host or settings.host, settings.port if port is None else port
         _raise_nofile()

@@ -1,6 +1,8 @@
 """Implementations for the NodeAgent contract suite.
 
 - ``fake``: ``dsec.testing.FakeNodeAgent`` (in memory; no root).
+- ``router``: ``dsec.cluster.router.ClusterRouter`` over two fakes sharing a checkpoint
+  store (what the API service talks to on a cluster).
 - ``local``: the real ``LocalNodeAgent`` in this process (real runc, overlayfs; integration).
 - ``ray``: the same real agent inside its Ray actor on a one-node Ray cluster that this
   session starts with ``dsec.cluster.local.up`` (own temp dir and ports, tracked by PID)
@@ -21,7 +23,7 @@ import pytest
 from dsec.config import load_settings
 from dsec.testing import FakeNodeAgent
 
-IMPLS = ["fake", pytest.param("local", marks=pytest.mark.integration),
+IMPLS = ["fake", "router", pytest.param("local", marks=pytest.mark.integration),
          pytest.param("ray", marks=pytest.mark.integration)]
 
 
@@ -78,6 +80,17 @@ async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
         await n.start()
         yield n
         await n.close()
+        return
+    if request.param == "router":
+        from dsec.cluster.router import ClusterRouter
+        from dsec.testing import FakeCheckpointStore
+
+        shared = FakeCheckpointStore()
+        r = ClusterRouter({nid: FakeNodeAgent(load_settings(home=tmp_path), node_id=nid, checkpoints=shared)
+                           for nid in ("f1", "f2")})
+        await r.start()
+        yield r
+        await r.close()
         return
     if request.param == "local":
         n = await _local(request.getfixturevalue("node_images"), tmp_path)

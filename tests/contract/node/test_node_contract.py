@@ -64,7 +64,9 @@ async def test_create_get_list_destroy(node: Any) -> None:
     an unknown id is NotFound."""
     a = await node.create(spec(labels={"run": "r1"}), tenant="t1")
     b = await node.create(spec(labels={"run": "r2"}), tenant="t2")
-    assert a.state in LIVE and a.node == node.node_id and a.tenant == "t1" and a.expires_at is not None
+    # A router (many nodes behind one agent) answers with the node that holds the sandbox.
+    assert a.node == node.node_id or a.node in getattr(node, "agents", {})
+    assert a.state in LIVE and a.tenant == "t1" and a.expires_at is not None
     assert (await node.get(a.id)).id == a.id
     assert {i.id for i in await node.list()} >= {a.id, b.id}
     assert [i.id for i in await node.list(labels={"run": "r1"})] == [a.id]

@@ -80,3 +80,40 @@ async def test_server_dispatch_over_the_fake(tmp_path: Path) -> None:
     with pytest.raises(errors.InvalidArgument):
         NodeAgentServer("weird", {"home": tmp_path})
     await srv.close()
+
+
+def test_cluster_capacity_is_what_one_sandbox_may_ask() -> None:
+    """A sandbox never spans nodes: limits are the largest node's, isolations the union,
+    the sandbox cap the sum; no nodes is CapacityExhausted (retry), not a crash."""
+    from dsec.cluster.router import cluster_capacity, least_loaded
+
+    a = NodeCapacity(node_id="a", cpu=2, memory=8, disk=100, max_sandboxes=10, isolation=["container"])
+    b = NodeCapacity(node_id="b", cpu=4, memory=4, disk=50, max_sandboxes=5, isolation=["container", "gvisor"])
+    c = cluster_capacity([a, b])
+    assert (c.cpu, c.memory, c.disk, c.max_sandboxes, c.isolation) == (4, 8, 100, 15, ["container", "gvisor"])
+    with pytest.raises(errors.CapacityExhausted):
+        cluster_capacity([])
+    assert least_loaded({"n2": 1, "n0": 3, "n1": 1}) == "n1"
+
+
+async def test_router_routes_by_sandbox_and_spreads(tmp_path: Path) -> None:
+    """Sandboxes created through the router spread over its nodes; every later call goes
+    to the node that holds the sandbox, also for an id the router never saw (found by
+    asking every node once)."""
+    from dsec.cluster.router import ClusterRouter
+    from dsec.config import Settings
+    from dsec.testing import FakeNodeAgent
+
+    fakes = {n: FakeNodeAgent(Settings(home=tmp_path), node_id=n) for n in ("n0", "n1", "n2")}
+    r = ClusterRouter(fakes)
+    await r.start()
+    infos = [await r.create(SandboxSpec(image="busybox")) for _ in range(6)]
+    assert {i.node for i in infos} == {"n0", "n1", "n2"}
+    direct = await fakes["n2"].create(SandboxSpec(image="busybox"), sandbox_id="sb-direct")
+    assert (await r.get("sb-direct")).node == "n2" and r.where["sb-direct"] == "n2"
+    await r.write_file(direct.id, "/a", b"x")
+    assert fakes["n2"].files[direct.id] == {"/a": b"x"}
+    await r.destroy(direct.id)
+    assert "sb-direct" not in fakes["n2"].sandboxes
+    with pytest.raises(errors.NotFound):
+        await r.exec("sb-nowhere", ExecRequest(cmd="echo"))

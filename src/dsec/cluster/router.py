@@ -1,0 +1,217 @@
+"""ClusterRouter: many node agents behind one ``NodeAgent``, for the API service.
+
+The API service (tenancy, quotas, audit) talks to ONE ``NodeAgent``; on a cluster that is
+this router: node id -> agent, sandbox id -> node. Per-sandbox calls go to the node that
+holds the sandbox (learned from every create/list answer, which name their node in
+``SandboxInfo.node``; an id it has not seen is looked up on every node once). Views are
+the cluster's: ``list`` merges every node's list (tenant quotas count sandboxes
+cluster-wide), ``capacity`` is what one sandbox may ask for on the largest node (a
+sandbox never spans nodes) with the cluster's total sandbox count as its cap.
+
+Placement is the scheduler driver's (it gets ``agents``, one entry per node); the
+router's own ``create`` (a server without the scheduler) spreads by fewest sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from dsec import errors
+from dsec.models import ExecRequest, SandboxInfo, SandboxSpec
+from dsec.node.api import (
+    ImageLayers,
+    LayerIndex,
+    NodeAgent,
+    NodeCapacity,
+    NodeHealth,
+    NodeUsage,
+    RestoreSource,
+)
+
+CLUSTER_NODE_ID = "cluster"
+
+
+def cluster_capacity(caps: list[NodeCapacity]) -> NodeCapacity:
+    """The limits a single sandbox meets on this cluster (pure): the largest node's
+    cpu/memory/disk, every isolation some node offers, the sum of sandbox caps."""
+    if not caps:
+        raise errors.CapacityExhausted("the cluster has no nodes (start them with `dsec cluster up` or "
+                                       "`ray start` with a dsec_node_<ID> resource)", retry_after=5.0)
+    return NodeCapacity(node_id=CLUSTER_NODE_ID, cpu=max(c.cpu for c in caps), memory=max(c.memory for c in caps),
+                        disk=max(c.disk for c in caps), max_sandboxes=sum(c.max_sandboxes for c in caps),
+                        isolation=sorted({i for c in caps for i in c.isolation}))
+
+
+def least_loaded(counts: Mapping[str, int]) -> str:
+    """The node with the fewest sandboxes (ties: lowest id) — the fallback spread (pure)."""
+    return min(sorted(counts), key=lambda n: counts[n])
+
+
+class ClusterRouter:
+    """``NodeAgent`` over several node agents (see module docstring)."""
+
+    def __init__(self, agents: Mapping[str, NodeAgent]) -> None:
+        self.node_id = CLUSTER_NODE_ID
+        self.agents: dict[str, NodeAgent] = dict(agents)
+        self.where: dict[str, str] = {}  # sandbox id -> node id
+        self._started_at = 0.0
+
+    # --- routing ------------------------------------------------------------------------
+    def _learn(self, info: SandboxInfo, node_id: str) -> SandboxInfo:
+        self.where[info.id] = info.node or node_id
+        return info
+
+    async def node_of(self, sandbox_id: str) -> str:
+        nid = self.where.get(sandbox_id)
+        if nid is not None and nid in self.agents:
+            return nid
+
+        async def probe(n: str, a: NodeAgent) -> str | None:
+            try:
+                await a.get(sandbox_id)
+                return n
+            except errors.NotFound:
+                return None
+
+        for found in await asyncio.gather(*(probe(n, a) for n, a in self.agents.items()), return_exceptions=True):
+            if isinstance(found, str):
+                self.where[sandbox_id] = found
+                return found
+        raise errors.NotFound(f"sandbox {sandbox_id} not found on any node of the cluster", sandbox_id=sandbox_id)
+
+    async def _on(self, sandbox_id: str) -> NodeAgent:
+        return self.agents[await self.node_of(sandbox_id)]
+
+    # --- the node(s) --------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(a.start() for a in self.agents.values()))
+        self._started_at = time.time()
+        await self.list()  # learn where every existing sandbox lives
+
+    async def close(self) -> None:
+        await asyncio.gather(*(a.close() for a in self.agents.values()), return_exceptions=True)
+
+    def capacity(self) -> NodeCapacity:
+        return cluster_capacity([a.capacity() for a in self.agents.values()])
+
+    async def usage(self) -> NodeUsage:
+        us = await asyncio.gather(*(a.usage() for a in self.agents.values()))
+        return NodeUsage(node_id=self.node_id, cpu_busy=sum(u.cpu_busy for u in us) / max(len(us), 1),
+                         sandboxes=sum(u.sandboxes for u in us), active_execs=sum(u.active_execs for u in us))
+
+    async def health(self) -> NodeHealth:
+        hs = await asyncio.gather(*(a.health() for a in self.agents.values()), return_exceptions=True)
+        problems = [f"{n}: {h}" if isinstance(h, BaseException) else f"{n}: {p}"
+                    for n, h in zip(self.agents, hs)
+                    for p in ([h] if isinstance(h, BaseException) else h.problems)]
+        ok = [h for h in hs if isinstance(h, NodeHealth)]
+        return NodeHealth(node_id=self.node_id, ok=bool(ok) and not problems, pid=os.getpid(),
+                          started_at=self._started_at, sandboxes=sum(h.sandboxes for h in ok),
+                          isolation=sorted({i for h in ok for i in h.isolation}), problems=problems)
+
+    async def layer_index(self) -> LayerIndex:
+        seen: dict[str, ImageLayers] = {}
+        for idx in await asyncio.gather(*(a.layer_index() for a in self.agents.values())):
+            for img in idx.images:
+                seen.setdefault(img.image_id, img)
+        return LayerIndex(node_id=self.node_id, images=list(seen.values()))
+
+    async def layer_indexes(self) -> dict[str, LayerIndex]:
+        """Each node's own index (the scheduler's image-aware placement input)."""
+        idx = await asyncio.gather(*(a.layer_index() for a in self.agents.values()))
+        return dict(zip(self.agents, idx))
+
+    async def resolve_image(self, ref: str) -> ImageLayers:
+        for r in await asyncio.gather(*(a.resolve_image(ref) for a in self.agents.values()), return_exceptions=True):
+            if isinstance(r, ImageLayers):
+                return r
+        raise errors.NotFound(f"image {ref!r} not found on any node; import it with `dsec image import`", image=ref)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
+                     pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
+        counts = {n: 0 for n in self.agents}
+        for nid in self.where.values():
+            if nid in counts:
+                counts[nid] += 1
+        nid = least_loaded(counts)
+        info = await self.agents[nid].create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
+                                             restore=restore)
+        return self._learn(info, nid)
+
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).claim(sandbox_id, spec, tenant)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).get(sandbox_id)
+
+    async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]:
+        per = await asyncio.gather(*(a.list(labels, tenant) for a in self.agents.values()))
+        out = [self._learn(i, nid) for nid, infos in zip(self.agents, per) for i in infos]
+        return sorted(out, key=lambda i: i.created_at)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        try:
+            agent = await self._on(sandbox_id)
+        except errors.NotFound:
+            # Not live anywhere: a node that knew it (already destroyed) answers quietly,
+            # as a single node does; nobody knowing it is NotFound.
+            done = await asyncio.gather(*(a.destroy(sandbox_id) for a in self.agents.values()),
+                                        return_exceptions=True)
+            if all(isinstance(d, errors.NotFound) for d in done):
+                raise
+            return
+        await agent.destroy(sandbox_id)
+        self.where.pop(sandbox_id, None)
+
+    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).set_timeout(sandbox_id, timeout)
+
+    async def cpu_used(self, sandbox_id: str) -> float | None:
+        return await (await self._on(sandbox_id)).cpu_used(sandbox_id)
+
+    # --- exec / files / network / checkpoints: the node that holds the sandbox -------------
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> Any:
+        return await (await self._on(sandbox_id)).exec(sandbox_id, req)
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[Any]:
+        agent = await self._on(sandbox_id)
+        async for ev in agent.exec_stream(sandbox_id, req):
+            yield ev
+
+    async def processes(self, sandbox_id: str) -> Any:
+        return await (await self._on(sandbox_id)).processes(sandbox_id)
+
+    async def kill_process(self, sandbox_id: str, pid: int, signal: int = 9) -> None:
+        await (await self._on(sandbox_id)).kill_process(sandbox_id, pid, signal)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await (await self._on(sandbox_id)).read_file(sandbox_id, path)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        await (await self._on(sandbox_id)).write_file(sandbox_id, path, data, mode)
+
+    async def list_files(self, sandbox_id: str, path: str) -> Any:
+        return await (await self._on(sandbox_id)).list_files(sandbox_id, path)
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await (await self._on(sandbox_id)).remove_file(sandbox_id, path, recursive)
+
+    async def upload_tar(self, sandbox_id: str, path: str, tar_bytes: bytes) -> None:
+        await (await self._on(sandbox_id)).upload_tar(sandbox_id, path, tar_bytes)
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await (await self._on(sandbox_id)).download_tar(sandbox_id, path)
+
+    async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).update_network(sandbox_id, allow)
+
+    async def network_denied_events(self, sandbox_id: str, since_seq: int = 0) -> Any:
+        return await (await self._on(sandbox_id)).network_denied_events(sandbox_id, since_seq)
+
+    async def checkpoint(self, sandbox_id: str, tenant: str) -> Any:
+        return await (await self._on(sandbox_id)).checkpoint(sandbox_id, tenant)

@@ -1,0 +1,83 @@
+"""``dsec serve --cluster ray://HEAD:PORT`` (or DSEC_CLUSTER): the API over a Ray cluster.
+
+One node agent actor per DSec node of the cluster (started if missing: detached,
+pinned), a ``ClusterRouter`` under the API service (sandbox id -> node; quotas and
+limits from the cluster view) and the scheduler driver over every node's proxy, with
+each node's real layer index registered for image-aware placement.
+
+Not yet over the cluster (a single-node server keeps them): image management routes
+(images live per node), checkpoint/episode routes (they still read a local node).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dsec import errors
+from dsec.config import Settings
+
+log = logging.getLogger("dsec.cluster")
+
+
+def _run(coro: Any) -> Any:
+    from dsec.cluster.local import _run as run
+    return run(coro)
+
+
+def connect_router(settings: Settings) -> Any:
+    """Join the cluster, start/find every node's agent, return a started-ready router."""
+    from dsec.cluster.ray import connect, ensure_agents
+    from dsec.cluster.router import ClusterRouter
+
+    assert settings.cluster
+    connect(settings.cluster)
+    agents = _run(ensure_agents(timeout_s=settings.cluster_agent_timeout_s))
+    if not agents:
+        raise errors.InvalidArgument(f"the Ray cluster at {settings.cluster!r} has no DSec nodes: start them with "
+                                     "`ray start ... --resources '{\"dsec_node_<ID>\": 1}'` or `dsec cluster up`",
+                                     field="cluster")
+    log.info("cluster %s: nodes %s", settings.cluster, ", ".join(sorted(agents)))
+    return ClusterRouter(agents)
+
+
+def build_cluster(settings: Settings) -> Any:
+    """Services for ``dsec serve --cluster``: state here, sandboxes on the cluster's nodes."""
+    from dsec.api.services import Services
+    from dsec.state.sqlite import SqliteStateStore
+
+    settings.home.mkdir(parents=True, exist_ok=True)
+    router = connect_router(settings)
+    services = Services.build(settings, router, SqliteStateStore(settings.home / "state.db"), images=None)
+    if settings.api_scheduler:
+        services.attach_scheduler(scheduler(settings, router))
+    return services
+
+
+def scheduler(settings: Settings, router: Any) -> Any:
+    """The control plane over every node: image-aware (each node's real layer index)."""
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+
+    indexes = _run(router.layer_indexes())
+    by_name: dict[str, tuple[list[tuple[str, int]], str]] = {}
+    for idx in indexes.values():
+        for img in idx.images:
+            for name in img.names:
+                for ref in (name, name.removesuffix(":latest")):
+                    by_name.setdefault(ref, ([tuple(x) for x in img.layers], img.image_id))  # type: ignore[misc]
+
+    def resolve(ref: str) -> tuple[list[tuple[str, int]], str]:
+        hit = by_name.get(ref)
+        if hit is None:
+            raise errors.NotFound(f"image {ref!r} is on no node of the cluster (as of the server's start); "
+                                  "import it on a node and restart the server", image=ref)
+        return hit
+
+    sched = Scheduler(settings)
+    for nid, agent in router.agents.items():  # where each image's layers already are
+        cap = agent.capacity()
+        sched.upsert_node(nid, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
+                          isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels,
+                          layers=indexes[nid].digests())
+    return SchedulerDriver(sched, router.agents, settings, image_resolver=resolve)
