@@ -156,6 +156,13 @@ class Settings(BaseSettings):
     layer_unpack_syncfs: bool = Field(False, description="syncfs before sealing an unpacked layer (see docs/images.md)")
     image_unpack_workers: int = Field(2, description="Worker processes unpacking an image's layers on import")
     image_parallel_unpack_min_bytes: int = Field(64 * 1024 * 1024, description="Use unpack workers above this image size")
+    # --- OCI registry client (owner: images; docs/images.md "Registry") -----------------
+    image_registry: str = Field("", description="Default registry HOST[:PORT] for refs that name none")
+    registry_username: str | None = Field(None, description="Registry user (basic auth, also at a token server)")
+    registry_password: str | None = Field(None, description="Password/token of registry_username (never logged)")
+    registry_ca_file: Path | None = Field(None, description="Extra CA bundle (PEM) trusted for https registries")
+    registry_timeout_s: float = Field(60.0, gt=0, description="Connect/read timeout of one registry HTTP call")
+    registry_push_chunk_bytes: int = Field(0, ge=0, description="Push blobs as PATCH chunks this big (0: one PUT)")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")
