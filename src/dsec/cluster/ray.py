@@ -356,6 +356,9 @@ class RayNodeProxy:
     async def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
         return await self._call("set_timeout", sandbox_id, timeout)
 
+    async def reset(self, sandbox_id: str) -> Any:
+        return await self._call("reset", sandbox_id)
+
     async def cpu_used(self, sandbox_id: str) -> Any:
         return await self._call("cpu_used", sandbox_id)
 

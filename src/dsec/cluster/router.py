@@ -171,6 +171,9 @@ class ClusterRouter:
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
         return await (await self._on(sandbox_id)).set_timeout(sandbox_id, timeout)
 
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).reset(sandbox_id)
+
     async def cpu_used(self, sandbox_id: str) -> float | None:
         return await (await self._on(sandbox_id)).cpu_used(sandbox_id)
 

@@ -134,6 +134,9 @@ class NodeAgent(Protocol):
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo: ...
 
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        """Back to the state it was created in (processes, files, limits, network); same id and TTL."""
+
     async def cpu_used(self, sandbox_id: str) -> float | None:
         """Mean CPUs the sandbox kept busy since hand-over (right-sizing); None if unknown."""
 
@@ -171,7 +174,7 @@ class NodeAgent(Protocol):
 
 NODE_METHODS: tuple[str, ...] = (
     "usage", "health", "layer_index", "resolve_image", "create", "claim", "get", "list", "destroy",
-    "set_timeout", "cpu_used", "exec", "processes", "kill_process", "read_file", "write_file", "list_files",
+    "set_timeout", "reset", "cpu_used", "exec", "processes", "kill_process", "read_file", "write_file", "list_files",
     "remove_file", "upload_tar", "download_tar", "update_network", "network_denied_events", "checkpoint")
 """The async request/response methods of ``NodeAgent`` (``exec_stream``, ``capacity``,
 ``start``/``close`` aside): what a remote transport forwards, and nothing else."""

@@ -95,6 +95,7 @@ class FakeNodeAgent:
         self._started_at = 0.0
         self._n = 0
         self._killed: dict[str, set[int]] = {}
+        self._created_files: dict[str, dict[str, bytes]] = {}  # what reset() returns a sandbox to
 
     # --- the node itself ------------------------------------------------------------------
     async def start(self) -> None:
@@ -167,6 +168,7 @@ class FakeNodeAgent:
             started_at=None if pooled else now, expires_at=None if pooled else now + timeout)
         self.sandboxes[sid] = info
         self.files[sid] = files
+        self._created_files[sid] = dict(files)
         return info
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
@@ -211,6 +213,12 @@ class FakeNodeAgent:
         start = info.started_at or time.time()
         info = info.model_copy(update={"timeout": timeout, "started_at": start, "expires_at": start + timeout})
         self.sandboxes[sandbox_id] = info
+        return info
+
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        info = self._live(sandbox_id)
+        self.files[sandbox_id] = dict(self._created_files.get(sandbox_id, {}))
+        self._killed.setdefault(sandbox_id, set()).add(FAKE_PID)  # every process killed
         return info
 
     async def cpu_used(self, sandbox_id: str) -> float | None:

@@ -210,3 +210,19 @@ async def test_checkpoint_and_restore(node: Any) -> None:
     assert await node.read_file(back.id, "/work/state.txt") == b"step 7\n"
     with pytest.raises(errors.NotFound):
         await node.create(spec(), tenant="t2", restore=RestoreSource(tenant="t2", checkpoint_id=ck.id))
+
+
+async def test_reset(node: Any) -> None:
+    """reset returns a live sandbox to its state as created: same id, files written since
+    are gone, background processes are gone; an unknown id is NotFound."""
+    info = await node.create(spec())
+    await node.write_file(info.id, "/work/dirty.txt", b"x")
+    bg = await node.exec(info.id, ExecRequest(cmd="sleep 100", background=True))
+    back = await node.reset(info.id)
+    assert back.id == info.id and back.state in LIVE
+    with pytest.raises(errors.NotFound):
+        await node.read_file(info.id, "/work/dirty.txt")
+    assert not [p for p in await node.processes(info.id) if p.pid == bg.pid and p.running]
+    assert (await node.exec(info.id, ExecRequest(cmd="echo ok"))).stdout == "ok\n"
+    with pytest.raises(errors.NotFound):
+        await node.reset("sb-does-not-exist")
