@@ -70,15 +70,9 @@ def _scheduler(settings: Settings, node: Any, images: Any) -> Any:
         info = images.resolve(ref)
         return [(li.digest, li.size) for li in info.layers], info.id
 
-    manager = getattr(node, "manager", None)
-    probe = None
-    if manager is not None:
-        from dsec.node.manager import CGROUP_PARENT
-        from dsec.node.usage import local_usage_probe
-
-        probe = local_usage_probe(CGROUP_PARENT, manager.cpu)
+    # CPU use is measured on the node (NodeAgent.usage), the same way as on a cluster.
     return SchedulerDriver(Scheduler(settings), {node.node_id: node}, settings,
-                           image_resolver=resolve if images is not None else None, usage_probe=probe)
+                           image_resolver=resolve if images is not None else None)
 
 
 def enable_preemption(services: Services, checkpoints: Any) -> None:

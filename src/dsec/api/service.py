@@ -390,10 +390,7 @@ class SandboxService:
 
     async def update_network(self, tenant: TenantRecord, sandbox_id: str, allow: list[str]) -> SandboxInfo:
         await self._owned(tenant, sandbox_id)
-        update = getattr(self.node, "update_network", None)
-        if update is None:
-            raise InvalidArgument("this node cannot change network allow-lists", field="allow")
-        info = await update(sandbox_id, allow)
+        info = await self.node.update_network(sandbox_id, allow)
         self.audit.record(sandbox_id, tenant.name, "network_update", allow=allow)
         return info
 

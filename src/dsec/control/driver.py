@@ -39,7 +39,7 @@ Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]  # (spec, sa
 PreemptCheckpoint = Callable[[str, str], Awaitable[str]]
 PreemptResume = Callable[[str, str, str], Awaitable[SandboxInfo]]
 ImageResolver = Callable[[str], tuple[list[tuple[str, int]], str]]  # image -> ([(digest, size)], version)
-UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now
+UsageProbe = Callable[[str], float]  # node_id -> fraction of its CPU in use now (default: NodeAgent.usage)
 _PERMANENT = (InvalidArgument, ImageError, Forbidden, NotFound)  # the same on every node: no retry
 
 
@@ -342,10 +342,13 @@ class SchedulerDriver:
             if now >= next_sync:
                 next_sync = now + self.s.node_sync_interval_s
                 self._spawn(self._sync_nodes())
-            if self.usage_probe is not None and now >= next_usage:
+            if now >= next_usage:
                 next_usage = now + self.s.overcommit_window_s / 10
-                for node_id in self.agents:
-                    self.sched.usage_sample(node_id, now, self.usage_probe(node_id))
+                if self.usage_probe is not None:
+                    for node_id in self.agents:
+                        self.sched.usage_sample(node_id, now, self.usage_probe(node_id))
+                else:
+                    self._spawn(self._sample_usage(now))
             if now >= next_reap:
                 next_reap = now + self.s.reaper_interval_s
                 for d in self.sched.reap(now):
@@ -360,6 +363,19 @@ class SchedulerDriver:
                 pass
             # Gather requests arriving within one window into the next batch.
             await asyncio.sleep(self.s.batch_window_s if len(self.sched.queues) else 0)
+
+    async def _sample_usage(self, now: float) -> None:
+        """Each node's CPU use, measured on the node (``NodeAgent.usage``), for the
+        usage-based overcommit guard: the same on one machine and across a cluster."""
+        async def one(node_id: str, agent: NodeAgent) -> None:
+            try:
+                u = await agent.usage()
+            except Exception:  # noqa: BLE001 - a node that cannot answer keeps its last sample
+                return
+            if node_id in self.sched.cluster.nodes:
+                self.sched.usage_sample(node_id, now, u.cpu_busy)
+
+        await asyncio.gather(*(one(n, a) for n, a in self.agents.items()))
 
     def _settle_orphans(self) -> None:
         """Safety net: a waiter whose request already finished (or was forgotten) without
