@@ -23,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import inspect
 import io
 import logging
 import posixpath
@@ -49,6 +50,14 @@ PREFIX = "/fusion"
 WORKDIR = "/work"
 KEY_REFRESH_S = 1.0
 """A miss on an unknown fusion key re-reads the tenant list at most this often."""
+TENANT_CACHE_S = 2.0
+"""A verified key -> tenant answer is reused this long (no state read per call)."""
+
+
+async def _state(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a StateStore method whether it is sync (SQLite) or async (the async store)."""
+    out = fn(*args)
+    return await out if inspect.isawaitable(out) else out
 
 
 # --- schema (SandboxFusion's, field names kept as they are) ------------------------------
@@ -204,25 +213,37 @@ class FusionService:
         self.pools = FusionPools(services)
         self._keys: dict[str, str] = {}  # fusion key -> tenant name
         self._keys_read = 0.0
+        self._verified: dict[str | None, tuple[TenantRecord, float]] = {}
         self._builds: dict[str, asyncio.Task[None]] = {}
         self._build_log: dict[str, str] = {}
 
     # auth
-    def tenant_for_key(self, key: str | None) -> TenantRecord | None:
+    async def tenant_for_key(self, key: str | None) -> TenantRecord | None:
+        """The tenant a fusion key (None: the anonymous tenant, if configured) stands for.
+        Verified records are trusted for TENANT_CACHE_S (a token re-issue or removal takes
+        effect within that)."""
+        now = time.monotonic()
+        hit = self._verified.get(key)
+        if hit is not None and hit[1] > now:
+            return hit[0]
         if key is None:
             name = self.settings.fusion_anonymous_tenant
-            return self.svc.state.get_tenant(name) if name else None
-        name = self._keys.get(key)
-        if name is None and time.monotonic() - self._keys_read > KEY_REFRESH_S:
-            self._keys_read = time.monotonic()
-            self._keys = {fusion_key(t.token_hash): t.name for t in self.svc.state.list_tenants()}
+            rec = await _state(self.svc.state.get_tenant, name) if name else None
+        else:
             name = self._keys.get(key)
-        if name is None:
-            return None
-        rec = self.svc.state.get_tenant(name)
-        if rec is None or fusion_key(rec.token_hash) != key:  # token re-issued / tenant removed
-            self._keys.pop(key, None)
-            return None
+            if name is None and now - self._keys_read > KEY_REFRESH_S:
+                self._keys_read = now
+                self._keys = {fusion_key(t.token_hash): t.name
+                              for t in await _state(self.svc.state.list_tenants)}
+                name = self._keys.get(key)
+            rec = await _state(self.svc.state.get_tenant, name) if name is not None else None
+            if rec is not None and fusion_key(rec.token_hash) != key:  # token re-issued / tenant removed
+                self._keys.pop(key, None)
+                rec = None
+        if rec is not None:
+            if len(self._verified) > 4096:
+                self._verified.clear()
+            self._verified[key] = (rec, now + TENANT_CACHE_S)
         return rec
 
     # run_code
@@ -329,7 +350,7 @@ def fusion_router(fusion: FusionService) -> APIRouter:
     def keyed(fn: Callable[[TenantRecord, Request], Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             key = request.path_params.get("key")
-            tenant = await asyncio.to_thread(fusion.tenant_for_key, key)
+            tenant = await fusion.tenant_for_key(key)
             if tenant is None:
                 what = "unknown fusion key" if key else "anonymous run_code is off (DSEC_FUSION_ANONYMOUS_TENANT)"
                 return JSONResponse({"code": "unauthorized", "message": f"{what}: use the fusion_url from "
