@@ -147,7 +147,7 @@ def test_label_quotas_refuse_new_creates_only(userver: Server) -> None:
     the first lives; a quota lowered below current use keeps live sandboxes running;
     max_cpu_seconds refuses new creates once the label's CPU-seconds reach it."""
     run = "r-" + uuid.uuid4().hex[:8]
-    spec = dict(image="busybox", cpu=0.5, memory="64M", labels={"run": run})
+    spec = {"image": "busybox", "cpu": 0.5, "memory": "64M", "labels": {"run": run}}
     with Client(userver.url, userver.token, retries=0) as c:
         c.set_usage_quota(f"run={run}", max_sandboxes=2)
         a = Sandbox.create(client=c, **spec)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ _LIVE_STATES = ("idle", "running")
 @dataclass
 class _Entry:
     sandbox_id: str
-    tenant_uid: str
+    tenant_uid: str | None  # None until known (a warm member's owner is recorded after hand-over)
     tenant_name: str
     labels: dict[str, str]
     started_at: float
@@ -109,6 +110,11 @@ class UsageCollector(Collector):
             yield fam
 
 
+async def _maybe_await(value: Any) -> Any:
+    """State store calls are coroutines in the async store, plain values in the old one."""
+    return await value if inspect.isawaitable(value) else value
+
+
 def parse_labels(items: list[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for item in items:
@@ -121,9 +127,12 @@ def parse_labels(items: list[str]) -> dict[str, str]:
 
 class UsageLedger:
     def __init__(self, settings: Settings, state: StateStore, store: UsageStore | None = None,
-                 cgroup_parent: str = "dsec") -> None:
+                 cgroup_parent: str = "dsec", owners: Callable[[str], str | None] | None = None) -> None:
         self.settings = settings
         self.state = state
+        # sandbox id -> owner uid as the API service recorded it (in memory: the hooks that
+        # call it run inside the node's state changes and must not wait on the store).
+        self.owners = owners or (lambda _sid: None)
         self.store = store or UsageStore(settings.home / "state.db")
         self.cgroup_parent = cgroup_parent
         self.live: dict[str, _Entry] = {}
@@ -174,17 +183,21 @@ class UsageLedger:
         self.store.close()
 
     # --- following sandboxes -----------------------------------------------------------
-    def _owner(self, sandbox_id: str, tenant_name: str | None) -> str:
-        uid = self.state.sandbox_owner(sandbox_id)
-        if uid is None and tenant_name:  # a warm member handed over: ownership is recorded after
-            rec = self.state.get_tenant(tenant_name)
-            uid = rec.uid if rec is not None else None
-        return uid or f"name:{tenant_name or ''}"
+    async def _resolve_owner(self, e: _Entry) -> str:
+        """The owner's uid: as the service recorded it, else the tenant of that name now."""
+        uid = self.owners(e.sandbox_id)
+        if uid is None and e.tenant_name:
+            try:
+                rec = await _maybe_await(self.state.get_tenant(e.tenant_name))
+                uid = rec.uid if rec is not None else None
+            except Exception:
+                log.exception("usage: looking up tenant %r failed", e.tenant_name)
+        return uid or f"name:{e.tenant_name}"
 
     def _track(self, info: Any, prior: SandboxUsage | None = None) -> None:
         assert self._manager is not None
         now = time.time()
-        e = _Entry(sandbox_id=info.id, tenant_uid=self._owner(info.id, info.tenant), tenant_name=info.tenant or "",
+        e = _Entry(sandbox_id=info.id, tenant_uid=self.owners(info.id), tenant_name=info.tenant or "",
                    labels=dict(info.labels), started_at=prior.started_at if prior else (info.started_at or now),
                    scratch=self._manager.paths(info.id).scratch)
         if prior is not None:
@@ -245,9 +258,12 @@ class UsageLedger:
         async with self._flush_lock:
             now = time.time()
             ended, self._ended = self._ended, {}
-            rows = [(e.tenant_uid, e.tenant_name, e.usage(now)) for e in ended.values()]
-            rows += [(e.tenant_uid, e.tenant_name, e.usage(now)) for s in self._dirty if (e := self.live.get(s))]
+            todo = [*ended.values(), *(e for s in self._dirty if (e := self.live.get(s)))]
             self._dirty.clear()
+            for e in todo:
+                if e.tenant_uid is None:
+                    e.tenant_uid = await self._resolve_owner(e)
+            rows = [(e.tenant_uid or "", e.tenant_name, e.usage(now)) for e in todo]
             try:
                 await asyncio.to_thread(self.store.upsert, rows)
             except BaseException:
@@ -302,8 +318,10 @@ class UsageLedger:
             raise NotFound(f"no usage quota on label {label!r}; list them with GET /v1/usage/quotas", label=label)
         self._quotas.pop((tenant.uid, k, v), None)
 
-    def live_count(self, uid: str, key: str, value: str) -> int:
-        n = sum(1 for e in self.live.values() if e.tenant_uid == uid and e.labels.get(key) == value)
+    def live_count(self, tenant: TenantRecord, key: str, value: str) -> int:
+        uid = tenant.uid
+        n = sum(1 for e in self.live.values() if e.labels.get(key) == value and (
+            e.tenant_uid == uid or (e.tenant_uid is None and e.tenant_name == tenant.name)))
         return n + sum(1 for u, lb in self._pending.values() if u == uid and lb.get(key) == value)
 
     async def admit(self, tenant: TenantRecord, labels: dict[str, str], sandbox_id: str) -> None:
@@ -314,7 +332,7 @@ class UsageLedger:
             if q is None:
                 continue
             if q.max_sandboxes is not None:
-                n = self.live_count(tenant.uid, k, v)
+                n = self.live_count(tenant, k, v)
                 if n + 1 > q.max_sandboxes:
                     raise QuotaExceeded(
                         f"usage quota max_sandboxes={q.max_sandboxes} of label {k}={v} reached: {n} sandboxes with "

@@ -131,6 +131,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     from dsec.api.routes_usage import install_usage
 
     app.state.usage = install_usage(app, services)
+    from dsec.api.routes_clone import router as clone_router
+
+    app.include_router(clone_router)  # POST /v1/sandboxes/{id}/clone (issue 16)
     # E2B SDK front ends (/e2b REST, /e2b/envd): the same SandboxService underneath.
     app.state.e2b = install_e2b(app, services)
     # SandboxFusion front end (/fusion/<key>/run_code, /v1/ping): pooled reset-able sandboxes.

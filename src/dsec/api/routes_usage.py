@@ -67,7 +67,8 @@ def install_usage(app: FastAPI, services: Any) -> UsageLedger | None:
     manager = getattr(services.node, "manager", None)
     from dsec.node.manager import CGROUP_PARENT
 
-    ledger = UsageLedger(settings, services.state, cgroup_parent=CGROUP_PARENT)
+    ledger = UsageLedger(settings, services.state, cgroup_parent=CGROUP_PARENT,
+                         owners=services.sandboxes._owners.get)
     if manager is not None:  # a remote (Ray) node: execs and quotas only; see README
         ledger.attach(manager)
     services.sandboxes.usage = ledger

@@ -23,7 +23,7 @@ from typing import Any
 from dsec.config import Settings, parse_bytes
 from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
 from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
-from dsec.node import cgroups, syscalls
+from dsec.node import cgroups, clones, syscalls
 from dsec.node.files import SandboxFS
 from dsec.node.lifecycle import check_transition, persisted
 from dsec.node.paths import SandboxPaths, sandbox_paths
@@ -32,7 +32,7 @@ from dsec.node.resolve import resolve_spec
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
 from dsec.runtime.agent_client import agent_ping
-from dsec.runtime.oci import RuntimeSpec, build_config
+from dsec.runtime.oci import AGENT_PATH_IN_SANDBOX, RuntimeSpec, build_config
 from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
 
 log = logging.getLogger("dsec.node")
@@ -41,6 +41,15 @@ log = logging.getLogger("dsec.node")
 # (teardown, PID-reuse guards) use it, and a node agent is one process (several nodes on
 # one box, as `dsec cluster up` makes, each run their agent in their own process).
 CGROUP_PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
+
+
+GVISOR_AGENT_DIR = "/.dsec/run"  # in a gVisor sandbox: host-backed dir holding the agent socket
+GVISOR_AGENT_SOCK_NAME = "a.sock"
+
+
+def gvisor_agent_dir(p: SandboxPaths) -> Path:
+    """Host dir bind-mounted at GVISOR_AGENT_DIR (short: a socket path is at most 108 bytes)."""
+    return p.run / f"{p.sandbox_id}.d"
 
 
 def new_sandbox_id() -> str:
@@ -75,9 +84,12 @@ class SandboxManager:
         self.on_state_change: list[Callable[[SandboxInfo], None]] = []
         self._lowers: dict[str, list[str]] = {}  # sandbox -> overlay lower dirs (for reset)
         self._reset_locks: dict[str, asyncio.Lock] = {}
+        self._layer_pins: dict[str, int] = {}  # frozen clone layers being made or handed to creates
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
         self.before_teardown: list[Callable[[str], None]] = []
+        # gVisor tier: O_PATH fds pinning each sandbox's agent socket inode (agent_socket)
+        self._gvisor_agent_fds: dict[str, int] = {}
         self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
         self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
         self.disk = parse_bytes(settings.node_disk) if settings.node_disk else int(shutil.disk_usage(
@@ -219,9 +231,10 @@ class SandboxManager:
         if info.isolation == "gvisor":
             # network=None: gVisor's netstack with loopback only; else its netstack drives
             # the slot's eth0 (the allow-list stays on the host end of the veth).
+            # --host-uds=create: the agent binds its socket on the host-backed /.dsec/run.
             net_flag = "--network=sandbox" if netns else "--network=none"
-            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,),
-                                                         netstack_netns=netns)
+            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log,
+                                                         (net_flag, "--host-uds=create"), netstack_netns=netns)
         else:
             sock = listen_socket(p.socket)
             try:
@@ -232,10 +245,55 @@ class SandboxManager:
         if info.isolation == "gvisor":
             for gpid in await asyncio.to_thread(_gvisor_pids, info.id, pid):
                 cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
-        if info.isolation != "gvisor" and not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
+        if info.isolation == "gvisor":
+            await self._pin_gvisor_agent(info.id)
+        elif not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
             raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
                                  f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
                                  sandbox_id=info.id)
+
+    async def _pin_gvisor_agent(self, sid: str) -> None:
+        """Wait for a gVisor sandbox's agent to bind its socket, then pin that inode.
+
+        The socket lives in a host dir the sandbox sees at /.dsec/run, so sandbox code
+        could later unlink it and bind its own there (and answer the node's execs with
+        made-up results). The node therefore connects only through an O_PATH fd taken
+        here, before any sandbox command ran: ``/proc/self/fd/N`` always reaches the
+        agent's own socket, whatever happens to the name.
+        """
+        path = gvisor_agent_dir(self.paths(sid)) / GVISOR_AGENT_SOCK_NAME
+        deadline = time.monotonic() + self.settings.agent_connect_timeout_s
+        while not await agent_ping(path, 1.0):
+            if time.monotonic() > deadline:
+                raise SandboxFailure(f"sandbox {sid}: gVisor exec agent did not answer at {path} within "
+                                     f"{self.settings.agent_connect_timeout_s}s; runtime log: "
+                                     f"{_tail(self.paths(sid).log)}", sandbox_id=sid)
+            await asyncio.sleep(0.005)
+        old = self._gvisor_agent_fds.pop(sid, None)  # a reset re-made the sandbox
+        if old is not None:
+            os.close(old)
+        self._gvisor_agent_fds[sid] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+
+    def pinned_agent_socket(self, sandbox_id: str) -> Path | None:
+        """The gVisor agent socket already pinned for sandbox_id (no lookup by name)."""
+        fd = self._gvisor_agent_fds.get(sandbox_id)
+        return None if fd is None else Path(f"/proc/self/fd/{fd}")
+
+    def agent_socket(self, sandbox_id: str, isolation: str) -> Path | None:
+        """Where the node connects to a sandbox's exec agent; None for a gVisor sandbox
+        started without one (made by an older node: its execs use ``runsc exec``).
+        An adopted gVisor sandbox (node restarted) is pinned by name on first use."""
+        if isolation != "gvisor":
+            return self.paths(sandbox_id).socket
+        fd = self._gvisor_agent_fds.get(sandbox_id)
+        if fd is None:
+            path = gvisor_agent_dir(self.paths(sandbox_id)) / GVISOR_AGENT_SOCK_NAME
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return None
+            self._gvisor_agent_fds[sandbox_id] = fd
+        return Path(f"/proc/self/fd/{fd}")
 
     def _prepare_root(self, rec: SandboxRecord, p: SandboxPaths, extra_lower_dirs: list[Path]) -> None:
         info = rec.info
@@ -264,6 +322,14 @@ class SandboxManager:
         config = build_config(spec)
         if info.isolation == "gvisor":
             _gvisor_bind_tmp(config, p.rootfs)
+            # The agent binds its socket here itself (runsc passes no fds); commands run under
+            # dsec-init's seccomp filter (runsc applies no OCI profile, see --filter).
+            agent_dir = gvisor_agent_dir(p)
+            agent_dir.mkdir(mode=0o700, exist_ok=True)
+            config["mounts"].append({"destination": GVISOR_AGENT_DIR, "type": "bind", "source": str(agent_dir),
+                                     "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
+            config["process"]["args"] = [AGENT_PATH_IN_SANDBOX, "serve", "--filter", "--listen",
+                                         f"{GVISOR_AGENT_DIR}/{GVISOR_AGENT_SOCK_NAME}"]
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             if netns is None:  # --network=none: runsc makes its own empty netns
@@ -307,11 +373,17 @@ class SandboxManager:
             if self.network is not None:
                 await self.network.detach(sid)
             await asyncio.to_thread(self.snapshotter.release, sid)
+            if (self.home / "clones").is_dir():  # frozen clone layers nobody mounts any more
+                await asyncio.to_thread(clones.gc_layers, self.home, set(self._layer_pins))
         except Exception as e:
             log.exception("cleanup of %s failed", sid)
             self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
             raise SandboxFailure(f"cleanup of sandbox {sid} failed: {e}; the reconciler will retry",
                                  sandbox_id=sid) from e
+        fd = self._gvisor_agent_fds.pop(sid, None)
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(gvisor_agent_dir(p), ignore_errors=True)
         self.live.pop(sid, None)
         self.active_execs.pop(sid, None)
         self._lowers.pop(sid, None)
@@ -379,6 +451,75 @@ class SandboxManager:
             raise SandboxFailure(f"sandbox {sid} could not be reset: {reason}", sandbox_id=sid) from e
         self.records.put(rec)
 
+    # --- live clones --------------------------------------------------------------
+
+    async def freeze_for_clone(self, sandbox_id: str) -> tuple[list[Path], clones.FrozenLayer]:
+        """Freeze the sandbox's writable layer (dsec.node.clones) and return the extra lower
+        dirs a clone is created with (frozen layer on top of the sandbox's own extra
+        layers; the image's come from its spec), pinned until ``unpin_layer``."""
+        from dsec.node import reset as rs
+
+        self.live_record(sandbox_id)
+        lock = self._reset_locks.setdefault(sandbox_id, asyncio.Lock())  # never during a reset
+        async with lock:
+            rec = self.live_record(sandbox_id)
+            p = self.paths(sandbox_id)
+            current = await asyncio.to_thread(rs.lower_dirs_of, p.rootfs)
+            image = self.images.resolve_fast(rec.spec.image)
+            image_dirs = {str(self.images.layers.fs(li.diff_id)) for li in image.layers}
+            extras = [Path(d) for d in current if d not in image_dirs and d != str(p.scratch / "empty")]
+            top = Path(current[0]) if current else None
+            if rec.info.isolation == "container" and top is not None and top.parent.parent == clones.layers_root(
+                    self.home) and not os.listdir(p.upper):
+                # Nothing written since the last clone: its frozen layer is this instant too.
+                self._layer_pins[top.parent.name] = self._layer_pins.get(top.parent.name, 0) + 1
+                self.counters["clone_reused"] = self.counters.get("clone_reused", 0) + 1
+                return extras, clones.FrozenLayer(path=top, mode="reused", paused_ms=0.0)
+            name = clones.new_layer_name()
+            if len(":".join([str(clones.layers_root(self.home) / name / "upper"), *current])) > clones.MAX_LOWERDIR:
+                raise Conflict(f"sandbox {sandbox_id} stacks {len(current)} layers (a clone of a clone of ...): "
+                               "one more would pass the kernel's mount-option limit; checkpoint and restore "
+                               "it to flatten the chain", sandbox_id=sandbox_id, layers=len(current))
+            self._layer_pins[name] = 1  # no teardown's GC may take it before the clones mount it
+            try:
+                frozen = await asyncio.to_thread(
+                    clones.freeze_layer, home=self.home, cgroup_parent=CGROUP_PARENT, sandbox_id=sandbox_id,
+                    isolation=rec.info.isolation, init_pid=rec.info.pid, rootfs=p.rootfs, scratch=p.scratch,
+                    lower_dirs=current, disk=rec.info.disk, workdir=rec.workdir, layer_name=name)
+            except BaseException:
+                self._unpin(name)
+                raise
+        self.counters["clone_" + frozen.mode] = self.counters.get("clone_" + frozen.mode, 0) + 1
+        return [frozen.path, *extras], frozen
+
+    async def reroot(self, sandbox_id: str, extra_lower_dirs: list[Path]) -> None:
+        """Stack ``extra_lower_dirs`` over a fresh container-tier sandbox's image layers, in
+        place (the in-place reset with those lowers: a clone handed a warm pool member or
+        just created). Its later resets return to this root."""
+        from dsec.node import reset as rs
+
+        rec = self.live_record(sandbox_id)
+        if rec.info.isolation != "container":
+            raise SandboxFailure(f"sandbox {sandbox_id}: only the container tier can be re-rooted in place",
+                                 sandbox_id=sandbox_id)
+        base = self._lowers.get(sandbox_id) or rs.lower_dirs_of(self.paths(sandbox_id).rootfs)
+        self._lowers[sandbox_id] = [*map(str, extra_lower_dirs), *base]
+        before = self.counters.get("reset_in_place", 0)
+        await self.reset(sandbox_id)
+        if self.counters.get("reset_in_place", 0) == before:  # re-made from the image alone: not a clone
+            raise SandboxFailure(f"sandbox {sandbox_id}: in-place re-root failed", sandbox_id=sandbox_id)
+
+    def unpin_layer(self, layer: Path) -> None:
+        """The creates that needed ``layer`` are done: it lives while a mount uses it."""
+        self._unpin(layer.parent.name)
+
+    def _unpin(self, name: str) -> None:
+        n = self._layer_pins.get(name, 0) - 1
+        if n > 0:
+            self._layer_pins[name] = n
+        else:
+            self._layer_pins.pop(name, None)
+
     # --- reconcile ----------------------------------------------------------------
 
     async def reconcile(self) -> dict[str, int]:
@@ -407,6 +548,7 @@ class SandboxManager:
                 continue
             cleaned += 1
         cleaned += await self._sweep_orphans(known)
+        await asyncio.to_thread(clones.gc_layers, self.home, set(self._layer_pins))
         self.counters["adopted"] += adopted
         self.counters["leaks_cleaned"] += cleaned
         return {"adopted": adopted, "cleaned": cleaned}

@@ -65,6 +65,9 @@ class _Api:
     def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
         return self._run(_ops.set_timeout(sandbox_id, timeout))
 
+    def clone(self, sandbox_id: str, n: int = 1) -> Any:
+        return self._run(_ops.clone(sandbox_id, n))
+
     def reset(self, sandbox_id: str) -> Any:
         return self._run(_ops.reset(sandbox_id))
 

@@ -114,6 +114,12 @@ def delete_usage_quota(label: str) -> Call[None]:
     return Call("DELETE", "/v1/usage/quotas", _none, params=[("label", label)], idempotent=True)
 
 
+def clone(sandbox_id: str, n: int = 1) -> Call[list[SandboxInfo]]:
+    # Not retried on its own: a clone that reached the server made sandboxes already.
+    return Call("POST", f"{_SB}/{_sid(sandbox_id)}/clone", lambda r: _infos.validate_json(r.content),
+                json={"n": n})
+
+
 def reset(sandbox_id: str) -> Call[SandboxInfo]:
     # Not retried on its own: a reset that reached the server already wiped the sandbox;
     # a second one is harmless but would also kill what the caller started in between.

@@ -104,6 +104,12 @@ class _SandboxOps:
         created. Same id, TTL and resources; ~2 ms on the container tier."""
         return self._c.reset(self.id)
 
+    def clone(self, n: int = 1) -> Any:
+        """``n`` new sandboxes whose files are copy-on-write copies of this one's as they
+        are now (it is paused for a few ms, then runs on). Each clone is a full sandbox
+        (own limits, network, TTL); kill them like any other. Returns a list of handles."""
+        return self._c._run(_ops.clone(self.id, n).map(lambda infos: [type(self)(i, self._c) for i in infos]))
+
     def get_info(self) -> Any:
         return self._c.get(self.id)
 

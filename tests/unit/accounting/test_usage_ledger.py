@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -14,7 +16,6 @@ from dsec.accounting.models import GIB, LabelQuota, SandboxUsage
 from dsec.accounting.store import UsageStore
 from dsec.config import Settings
 from dsec.errors import InvalidArgument, NotFound, QuotaExceeded
-from dsec.state.sqlite import SqliteStateStore
 from dsec.state.store import TenantRecord
 
 
@@ -97,7 +98,7 @@ async def test_quota_admission_counts_live_and_pending(tmp_path: Path) -> None:
     max_cpu_seconds refuses once the label's recorded CPU-seconds reach it; another
     tenant's quota or label value is independent."""
     settings = Settings(home=tmp_path)
-    state = SqliteStateStore(tmp_path / "state.db")
+    state: Any = SimpleNamespace(get_tenant=lambda name: None)  # owners come from the service's map
     ledger = UsageLedger(settings, state, UsageStore(tmp_path / "state.db"))
     t1 = TenantRecord(name="t1", uid="u1", token_hash="h1")
     t2 = TenantRecord(name="t2", uid="u2", token_hash="h2")
@@ -128,11 +129,10 @@ async def test_quota_admission_counts_live_and_pending(tmp_path: Path) -> None:
     assert [q.label for q in again.quotas(t1)] == ["run=r1"]
     ledger.store.close()
     again.store.close()
-    state.close()
 
 
 def test_exec_counts_only_tracked_sandboxes(tmp_path: Path) -> None:
     """count_exec of an unknown sandbox is ignored (no entry is invented)."""
-    ledger = UsageLedger(Settings(home=tmp_path), SqliteStateStore(":memory:"), UsageStore(":memory:"))
+    ledger = UsageLedger(Settings(home=tmp_path), SimpleNamespace(), UsageStore(":memory:"))  # type: ignore[arg-type]
     ledger.count_exec("sb-unknown")
     assert ledger.live == {} and ledger.collector.values == {}
