@@ -25,12 +25,18 @@ from dsec.state.sqlite import SqliteStateStore
 pytestmark = pytest.mark.integration
 
 
+async def _admit(tenant: object, spec: object) -> None:
+    return None
+
+
 class Server:
     """A real uvicorn server on loopback serving the episodes router."""
 
     def __init__(self, work, state):
         app = FastAPI()
-        app.state.services = SimpleNamespace(auth=TenantAuth(state))
+        # The episodes router authenticates and has open's spec judged by the services'
+        # SandboxService.check_spec; this harness serves the router alone and admits every spec.
+        app.state.services = SimpleNamespace(auth=TenantAuth(state), sandboxes=SimpleNamespace(check_spec=_admit))
         install_error_handlers(app, 1.0)
         self.engine = make_engine(work)
         include_episodes(app, self.engine)
