@@ -309,11 +309,22 @@ class Settings(BaseSettings):
     clone_max: int = Field(64, ge=1, description="Most clones one sb.clone(n) call may make")
 
     # --- state / cluster --------------------------------------------------------------
-    state_backend: str = Field("sqlite", description="sqlite (embedded default) or redis")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for multi-node state")
+    state_url: str = Field("", description="Shared state store: redis://HOST:PORT/DB (several API servers "
+                           "on one Redis) or sqlite:///PATH; empty = HOME/state.db (`dsec serve --state`)")
+    state_timeout_s: float = Field(2.0, gt=0, description="Redis state: connect/read timeout of one call "
+                                   "(past it the request answers 503 + Retry-After)")
     blob_backend: str = Field("local", description="local (default) or s3")
     s3_endpoint: str | None = Field(None, description="S3-compatible endpoint URL")
     s3_bucket: str = Field("dsec", description="S3 bucket for blobs")
+
+    @property
+    def state_backend(self) -> str:
+        """sqlite | redis, from ``state_url`` (read by `dsec doctor`)."""
+        return "redis" if self.state_url.startswith(("redis://", "rediss://", "unix://")) else "sqlite"
+
+    @property
+    def redis_url(self) -> str:
+        return self.state_url
 
     @property
     def runtime_dir(self) -> Path:

@@ -138,11 +138,24 @@ class TransientError(DSecError):
     http_status = 503
 
 
+class StateUnavailable(TransientError):
+    """The shared state store (Redis) cannot be reached: nothing was changed; retry after
+    ``details['retry_after']`` (the server recovers by itself when the store is back)."""
+
+    code = "state_unavailable"
+
+
+class StateSchemaMismatch(DSecError):
+    """The state store was written by a server with another schema version: refused at start."""
+
+    code = "state_schema_mismatch"
+
+
 ALL_ERRORS: tuple[type[DSecError], ...] = (
     DSecError, InvalidArgument, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
     QuotaExceeded, CapacityExhausted, Overloaded, Timeout, SandboxFailure, ImageError,
     DigestMismatch, UnsafeLayer, BuildFailed, CheckpointError, ReplayDiverged, StorageFull,
-    TransientError, EpisodeFenced,
+    TransientError, EpisodeFenced, StateUnavailable, StateSchemaMismatch,
 )
 
 ERRORS_BY_CODE: dict[str, type[DSecError]] = {cls.code: cls for cls in ALL_ERRORS}

@@ -39,6 +39,7 @@ def clip(value: Any, max_chars: int) -> Any:
 
 class AuditLog:
     def __init__(self, state: StateStore, metrics: Metrics, flush_interval_s: float, max_chars: int) -> None:
+        self.owners: dict[str, str] = {}  # sandbox id -> owner uid (SandboxService shares its map)
         self._state = state
         self._metrics = metrics
         self._interval = flush_interval_s
@@ -78,7 +79,7 @@ class AuditLog:
             if not batch:
                 return
             try:
-                await asyncio.to_thread(self._state.append_audit, batch)
+                await self._state.append_audit(batch)
                 self._metrics.audit_records.inc(len(batch))
             except Exception:
                 # Keep the records for the next attempt rather than losing them.
@@ -166,7 +167,9 @@ class _DeniedNetwork:
             except Exception:
                 log.debug("reading denied attempts of %s failed", sandbox_id, exc_info=True)
                 return
-            tenant = self.audit._state.sandbox_owner(sandbox_id)
+            # A sync hook (the node's teardown): the owners this API created, from memory
+            # (the state store is async and may be remote).
+            tenant = self.audit.owners.get(sandbox_id)
             if tenant is None:
                 return  # not created through the API: no audit log to write to
             t = self.tracked[sandbox_id] = _Tracked(tenant, DeniedTally(self.max_distinct))

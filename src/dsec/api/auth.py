@@ -35,7 +35,7 @@ class TenantAuth:
     def invalidate(self) -> None:
         self._cache.clear()
 
-    def authenticate(self, authorization: str | None) -> TenantRecord:
+    async def authenticate(self, authorization: str | None) -> TenantRecord:
         if not authorization:
             raise Unauthorized("missing API token: send 'Authorization: Bearer <token>' "
                                "(set DSEC_TOKEN, or create one with `dsec tenant add NAME`)")
@@ -45,14 +45,14 @@ class TenantAuth:
         h = hash_token(token.strip())
         rec = self._cache.get(h)
         if rec is None:
-            rec = self._state.tenant_by_token_hash(h)
+            rec = await self._state.tenant_by_token_hash(h)  # a tenant made on another server too
             if rec is None:
                 raise Unauthorized("invalid API token: check DSEC_TOKEN or ask an admin for a new one "
                                    "(`dsec tenant add NAME`)")
             self._cache[h] = rec
         return rec
 
-    def create_tenant(self, name: str, *, admin: bool = False, max_sandboxes: int | None = None,
+    async def create_tenant(self, name: str, *, admin: bool = False, max_sandboxes: int | None = None,
                       max_cpu: float | None = None, max_memory: int | None = None,
                       images: list[str] | None = None, uid: str | None = None) -> tuple[TenantRecord, str]:
         """``uid``: only to re-issue the token of the SAME tenant (it keeps its data)."""
@@ -60,7 +60,7 @@ class TenantAuth:
         # A new uid every time: a re-created name shares nothing with its predecessor (issue 18 #7).
         rec = TenantRecord(name=name, uid=uid or new_tenant_uid(), token_hash=hash_token(token), admin=admin, max_sandboxes=max_sandboxes,
                            max_cpu=max_cpu, max_memory=max_memory, images=images, created_at=time.time())
-        self._state.put_tenant(rec)
+        await self._state.put_tenant(rec)
         self.invalidate()
         return rec, token
 

@@ -36,7 +36,7 @@ async def context(request: Request) -> RequestContext:
     svc: Services = request.app.state.services
     tenant = request.scope.get(TENANT_KEY)
     return RequestContext(svc, tenant if tenant is not None else
-                          svc.auth.authenticate(request.headers.get("authorization")))
+                          await svc.auth.authenticate(request.headers.get("authorization")))
 
 
 Svc = Annotated[Services, Depends(services)]

@@ -47,7 +47,7 @@ async def _engine(request: Request) -> EpisodeEngine:
 
 async def _tenant(request: Request) -> Any:
     # Own dependency (same auth as every route) so this router does not track deps.py's shape.
-    tenant = request.app.state.services.auth.authenticate(request.headers.get("authorization"))
+    tenant = await request.app.state.services.auth.authenticate(request.headers.get("authorization"))
     # Sandboxes the engine makes or destroys during this call are the tenant's (admission,
     # quotas, scheduler): a plain async dependency runs in the endpoint's task, so the
     # engine's awaits (and the tasks they start) see it.
@@ -142,7 +142,9 @@ def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
     s = services.settings
     store = open_checkpoint_store(s)
     # Tenants from before uids: their episodes/checkpoints move to uid keys (once, at start).
-    migrate_legacy_keys(services.state, store, s.checkpoint_journal_dir or s.home / "journals")
+    legacy_db = getattr(services.state, "db", None)  # SqliteDB: the only store that predates uids
+    if legacy_db is not None:
+        migrate_legacy_keys(legacy_db, store, s.checkpoint_journal_dir or s.home / "journals")
     engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node, services.sandboxes))
     include_episodes(app, engine)
     return engine

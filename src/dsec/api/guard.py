@@ -76,7 +76,7 @@ class RequestGuard:
         settings = self.svc.settings
         limit = body_limit(scope["method"], scope["path"], settings)
         try:
-            scope[TENANT_KEY] = self.svc.auth.authenticate(_header(scope, b"authorization"))
+            scope[TENANT_KEY] = await self.svc.auth.authenticate(_header(scope, b"authorization"))
             declared = _header(scope, b"content-length")
             if declared is not None and declared.strip().isdigit() and int(declared) > limit:
                 raise PayloadTooLarge(_too_large(scope, limit, declared), limit=limit)

@@ -97,7 +97,7 @@ class HotPath:
     async def _exec(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         svc = self.svc
         try:
-            tenant = svc.auth.authenticate(_header(scope, b"authorization"))
+            tenant = await svc.auth.authenticate(_header(scope, b"authorization"))
             body = await _body(receive, svc.settings.max_upload_bytes)
             if not _ID.match(sandbox_id):
                 raise validation_error([{"loc": ("path", "sandbox_id"),

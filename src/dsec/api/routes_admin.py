@@ -110,11 +110,11 @@ async def remove_image(ref: ImageRef, ctx: Ctx) -> Response:
 async def add_tenant(req: TenantCreate, ctx: Ctx) -> TenantCreated:
     svc, t = ctx.svc, ctx.tenant
     require_admin(t)
-    if svc.state.get_tenant(req.name) is not None:
+    if await svc.state.get_tenant(req.name) is not None:
         raise Conflict(f"tenant {req.name!r} already exists; remove it first or pick another name", tenant=req.name)
-    rec, token = svc.auth.create_tenant(req.name, admin=req.admin, max_sandboxes=req.max_sandboxes,
-                                        max_cpu=req.max_cpu, max_memory=req.max_memory,  # type: ignore[arg-type]
-                                        images=req.images)
+    rec, token = await svc.auth.create_tenant(req.name, admin=req.admin, max_sandboxes=req.max_sandboxes,
+                                              max_cpu=req.max_cpu, max_memory=req.max_memory,  # type: ignore[arg-type]
+                                              images=req.images)
     return TenantCreated(tenant=TenantInfo.of(rec), token=token)
 
 
@@ -122,7 +122,7 @@ async def add_tenant(req: TenantCreate, ctx: Ctx) -> TenantCreated:
 async def list_tenants(ctx: Ctx) -> list[TenantInfo]:
     svc, t = ctx.svc, ctx.tenant
     require_admin(t)
-    return [TenantInfo.of(r) for r in svc.state.list_tenants()]
+    return [TenantInfo.of(r) for r in await svc.state.list_tenants()]
 
 
 @tenants.delete("/{name}", status_code=204,
@@ -133,7 +133,7 @@ async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)],
     require_admin(t)
     if name == t.name:
         raise Conflict(f"refusing to remove tenant {name!r}: it is the one making this request")
-    victim = svc.state.get_tenant(name)
+    victim = await svc.state.get_tenant(name)
     if victim is None:
         raise NotFound(f"tenant {name!r} not found; list tenants with `dsec tenant ls`", tenant=name)
     killed = []
@@ -142,7 +142,7 @@ async def remove_tenant(name: Annotated[str, Path(pattern=TENANT_NAME_PATTERN)],
             await svc.sandboxes.kill(victim, info.id)
             killed.append(info.id)
     await purge_tenant_data(request.app.state, svc, victim, killed)
-    svc.state.delete_tenant(name)
+    await svc.state.delete_tenant(name)
     svc.auth.invalidate()
     return Response(status_code=204)
 
@@ -159,7 +159,7 @@ async def purge_tenant_data(app_state: Any, svc: Any, victim: Any, killed: list[
             await ckpts.forget_sandbox(sid)
     if victim.uid:
         from dsec.state.keys import episode_key_prefix
-        await asyncio.to_thread(svc.state.purge_tenant, victim.uid)
+        await svc.state.purge_tenant(victim.uid)
         if ckpts is not None:
             await ckpts.purge(victim.uid)
             # Preemption checkpoints, and checkpoints taken before uids existed, are under

@@ -10,7 +10,6 @@ name: a tenant re-created under a removed one's name sees none of its checkpoint
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -40,7 +39,7 @@ async def _live_owned(ctx: RequestContext, sandbox_id: str) -> SandboxInfo:
     try:
         info = await ctx.svc.sandboxes.get(ctx.tenant, sandbox_id)
     except NotFound:
-        if await asyncio.to_thread(ctx.svc.state.sandbox_owner, sandbox_id) == ctx.tenant.uid:
+        if await ctx.svc.state.sandbox_owner(sandbox_id) == ctx.tenant.uid:
             raise Conflict(f"sandbox {sandbox_id} is destroyed; only a live sandbox can be checkpointed "
                            "(checkpoint before killing it)", sandbox_id=sandbox_id, state="destroyed") from None
         raise

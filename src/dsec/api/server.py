@@ -22,24 +22,24 @@ from dsec.config import Settings
 from dsec.durable import atomic_write
 from dsec.errors import Conflict
 from dsec.sdk._config import SERVER_FILE, TOKEN_FILE, read_token_file
-from dsec.state.sqlite import SqliteStateStore
+from dsec.state import state_for
 
 log = logging.getLogger("dsec.serve")
 
 LOCAL_TENANT = "local"
 
 
-def ensure_local_token(services: Services) -> str:
+async def ensure_local_token(services: Services) -> str:
     """The embedded default's admin tenant ``local``; its token file is (re)made if missing."""
     home = services.settings.home
     token = read_token_file(home)
-    rec = services.state.get_tenant(LOCAL_TENANT)
+    rec = await services.state.get_tenant(LOCAL_TENANT)
     if token is not None and rec is not None and rec.token_hash == hash_token(token):
         return token
     if rec is not None:
         # Token file lost: issue a new token for the same tenant (same uid: its data stays its own).
-        services.state.delete_tenant(LOCAL_TENANT)
-    _, token = services.auth.create_tenant(LOCAL_TENANT, admin=True, uid=rec.uid if rec is not None else None)
+        await services.state.delete_tenant(LOCAL_TENANT)
+    _, token = await services.auth.create_tenant(LOCAL_TENANT, admin=True, uid=rec.uid if rec is not None else None)
     atomic_write(home / TOKEN_FILE, token.encode() + b"\n", 0o600)
     return token
 
@@ -52,7 +52,8 @@ def build_embedded(settings: Settings) -> Services:
     from dsec.node.agent import LocalNodeAgent
 
     settings.home.mkdir(parents=True, exist_ok=True)
-    state = SqliteStateStore(settings.home / "state.db")
+    # SQLite under HOME, or the Redis every API server of the deployment shares (--state).
+    state = state_for(settings.state_url, settings.home, settings.api_retry_after_s, settings.state_timeout_s)
     node = LocalNodeAgent(settings)
     images = getattr(node, "images", None)
     services = Services.build(settings, node, state, images=images)
@@ -114,7 +115,14 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
     from dsec.api.app import create_app
 
     services = services or build_embedded(settings)
-    local_token = ensure_local_token(services)
+    try:
+        # Reachable, same schema version: else refuse to start, naming the store and why.
+        await services.state.open()
+        local_token = await ensure_local_token(services)
+    except BaseException:
+        await services.node.close()
+        await services.state.close()
+        raise
     app = create_app(services)
     enable_preemption(services, getattr(app.state, "checkpoints", None))
     server = uvicorn.Server(uvicorn_config(app, settings, host, port, log_level))
@@ -145,7 +153,7 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
         try:
             await task
         finally:
-            services.state.close()  # uvicorn already ran the lifespan shutdown (services.close)
+            await services.state.close()  # uvicorn already ran the lifespan shutdown (services.close)
     if server.started:
         bound = server.servers[0].sockets[0].getsockname()
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"
@@ -167,7 +175,7 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
                 server_file.unlink()
         except (OSError, ValueError):
             pass
-        services.state.close()
+        await services.state.close()
 
 
 def serve(settings: Settings, host: str, port: int, log_level: str = "info") -> None:

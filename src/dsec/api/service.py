@@ -87,7 +87,7 @@ class SandboxService:
         self._destroyer: Destroyer = node.destroy
         self._route: Callable[[Creator], Creator] | None = None
         self._image_check = image_check
-        self._owners: dict[str, str] = {}
+        self._owners: dict[str, str] = audit.owners  # one map: the audit's sync teardown hook reads it
         self._inflight = 0
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
         # Admitted creates not settled yet: quota usage = node listing + these (reserve, then create).
@@ -198,7 +198,7 @@ class SandboxService:
     async def _owned(self, tenant: TenantRecord, sandbox_id: str) -> None:
         owner = self._owners.get(sandbox_id)
         if owner is None:
-            owner = self.state.sandbox_owner(sandbox_id)  # the owner's uid (issue 18 #7)
+            owner = await self.state.sandbox_owner(sandbox_id)  # the owner's uid (issue 18 #7)
             if owner is None:  # not created through this API: the node's tenant label (a name) decides
                 try:
                     label = (await self.node.get(sandbox_id)).tenant
@@ -259,35 +259,35 @@ class SandboxService:
     async def _create_idempotent(self, tenant: TenantRecord, spec: SandboxSpec,
                                  creator: Creator | None = None) -> SandboxInfo:
         assert spec.request_id is not None
-        # Single-row SQLite writes (WAL, synchronous=NORMAL: no fsync) take ~30 us; a worker
-        # thread hop costs ~200 us and more under load, so the create path writes inline.
-        rec = self.state.idem_reserve(IdempotencyRecord(
+        # The state store is async (SQLite on its own thread, or Redis shared by every API
+        # server): a request id reserved here is seen by all servers, so a client failing
+        # over to another server with the same id gets this sandbox, never a second one.
+        rec = await self.state.idem_reserve(IdempotencyRecord(
             tenant=tenant.uid, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
         sid = str(rec.info["id"]) if rec.done and rec.info else rec.sandbox_id
         try:
             info = await self.node.get(sid)
             if not rec.done:  # created, then we crashed before recording it
-                self.state.idem_complete(tenant.uid, spec.request_id, info.model_dump(mode="json"))
+                await self.state.idem_complete(tenant.uid, spec.request_id, info.model_dump(mode="json"))
             return info
         except NotFound:
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
                 return SandboxInfo.model_validate({**rec.info, "state": SandboxState.destroyed})
         rid = spec.request_id
 
-        def complete(info: SandboxInfo) -> None:
-            self.state.idem_complete(tenant.uid, rid, info.model_dump(mode="json"))
+        async def complete(info: SandboxInfo) -> None:
+            await self.state.idem_complete(tenant.uid, rid, info.model_dump(mode="json"))
 
         try:
             return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete)
         except DSecError:
-            await asyncio.to_thread(self.state.idem_delete, tenant.uid, spec.request_id)  # retry afresh
+            await self.state.idem_delete(tenant.uid, spec.request_id)  # retry afresh
             raise
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
                           creator: Creator | None = None,
-                          finish: Callable[[SandboxInfo], None] | None = None) -> SandboxInfo:
-        """``finish`` runs in the same worker-thread hop as the post-create state writes
-        (one hop, not three, on the hand-over path that must take milliseconds)."""
+                          finish: Callable[[SandboxInfo], Awaitable[None]] | None = None) -> SandboxInfo:
+        """``finish`` records the outcome (the request id's answer) once the sandbox exists."""
         self._inflight += 1
         self.metrics.inflight_creates.set(self._inflight)
         t0 = time.perf_counter()
@@ -300,7 +300,7 @@ class SandboxService:
                 reserved = True
                 if self.usage is not None:  # per-label quotas (run=r1): 429 naming the quota
                     await self.usage.admit(tenant, spec.labels, sandbox_id)
-                self.state.record_sandbox(sandbox_id, tenant.uid, time.time())  # owned by the uid
+                await self.state.record_sandbox(sandbox_id, tenant.uid, time.time())  # owned by the uid
                 self._owners[sandbox_id] = tenant.uid
                 self._creating.add(sandbox_id)
             if creator is not None and self._route is not None:
@@ -314,7 +314,7 @@ class SandboxService:
             info = await asyncio.shield(task)
         except Exception as e:
             self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()
-            await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
+            await self.state.mark_dead([sandbox_id], time.time())
             if isinstance(e, NotFound) and "available" in e.details:  # the node's image list: never shown
                 raise _unknown_image(spec.image) from None
             raise
@@ -327,15 +327,11 @@ class SandboxService:
             self.metrics.inflight_creates.set(self._inflight)
         handed_over = info.id != sandbox_id  # warm-pool hand-over: the user owns the pool member
 
-        def record_outcome() -> None:
-            if handed_over:
-                self.state.record_sandbox(info.id, tenant.uid, time.time())
-                self.state.mark_dead([sandbox_id], time.time())
-            if finish is not None:
-                finish(info)
-
-        if handed_over or finish is not None:
-            record_outcome()
+        if handed_over:
+            await self.state.record_sandbox(info.id, tenant.uid, time.time())
+            await self.state.mark_dead([sandbox_id], time.time())
+        if finish is not None:
+            await finish(info)
         if handed_over:
             self._owners[info.id] = tenant.uid
             self._owners.pop(sandbox_id, None)
@@ -370,15 +366,15 @@ class SandboxService:
         else:
             await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
-        await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
+        await self.state.mark_dead([sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)
 
     async def reaped(self, sandbox_id: str, why: str) -> None:
         """The control plane removed a sandbox on its own (TTL, silent owner lease, release)."""
-        owner = self._owners.pop(sandbox_id, None) or self.state.sandbox_owner(sandbox_id)
+        owner = self._owners.pop(sandbox_id, None) or await self.state.sandbox_owner(sandbox_id)
         if owner is not None:
             self.audit.record(sandbox_id, owner, "reaped", reason=why)
-        await asyncio.to_thread(self.state.mark_dead, [sandbox_id], time.time())
+        await self.state.mark_dead([sandbox_id], time.time())
 
     async def kill_by_labels(self, tenant: TenantRecord, labels: dict[str, str]) -> list[str]:
         if not labels:
@@ -482,21 +478,21 @@ class SandboxService:
 
     # --- audit / housekeeping ----------------------------------------------------------
     async def audit_log(self, tenant: TenantRecord, sandbox_id: str, limit: int) -> list[dict[str, Any]]:
-        if self.state.sandbox_owner(sandbox_id) != tenant.uid:
+        if await self.state.sandbox_owner(sandbox_id) != tenant.uid:
             raise NotFound(f"no audit log for sandbox {sandbox_id}: unknown, another tenant's, or older than "
                            f"the retention period ({self.settings.audit_retention_s:g}s)", sandbox_id=sandbox_id)
         await self.audit.flush()
-        recs = await asyncio.to_thread(self.state.audit, sandbox_id, limit)
+        recs = await self.state.audit(sandbox_id, limit)
         return [{"ts": r.ts, "kind": r.kind, "data": r.data} for r in recs]
 
     async def reconcile(self, now: float | None = None) -> int:
         """Mark sandboxes that vanished (TTL, reaper, crash) dead; prune audit past retention."""
         now = time.time() if now is None else now
         live = {i.id for i in await self.node.list() if i.state not in _DEAD}
-        recorded = await asyncio.to_thread(self.state.live_sandbox_ids)
+        recorded = await self.state.live_sandbox_ids()
         gone = [s for s in recorded if s not in live and s not in self._creating]
-        await asyncio.to_thread(self.state.mark_dead, gone, now)
+        await self.state.mark_dead(gone, now)
         for s in gone:
             self._owners.pop(s, None)
         await self.audit.flush()
-        return await asyncio.to_thread(self.state.prune, now - self.settings.audit_retention_s)
+        return await self.state.prune(now - self.settings.audit_retention_s)

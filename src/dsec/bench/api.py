@@ -73,7 +73,8 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     # client below (an ordinary program in real use) the server's priority.
     settings = Settings(home=home, api_loop_nice=0)
     services = build_embedded(settings)
-    token = ensure_local_token(services)
+    await services.state.open()
+    token = await ensure_local_token(services)
     server = uvicorn.Server(uvicorn_config(create_app(services), settings, "127.0.0.1", 0, "warning"))
     # The server runs on THIS event loop: the async SDK and the node-local baseline share
     # it, so "added" is the service layer's own cost (HTTP both ways, auth, audit, metrics)
@@ -141,7 +142,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         await ref_task
         server.should_exit = True
         await serve_task
-        services.state.close()
+        await services.state.close()
     out: dict[str, Any] = {k: _stats(v) for k, v in series.items()}
     out["added"] = {
         "sdk_async_exec": _paired(series["node_exec"], series["sdk_async_exec"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -72,10 +73,13 @@ def _setup(cfg: DrillConfig) -> str:
     make_busybox_rootfs(cfg.work / "img")
     (cfg.work / "r2").mkdir(exist_ok=True)
     syscalls.mount_tmpfs(str(cfg.work / "r2"), cfg.tmpfs_bytes)  # the small checkpoint disk
-    state = SqliteStateStore(cfg.work / "state.db")
-    _, token = TenantAuth(state).create_tenant(f"drill{os.getpid()}{int(time.time())}")
-    state.close()
-    return token
+    async def make() -> str:
+        state = SqliteStateStore(cfg.work / "state.db")
+        _, token = await TenantAuth(state).create_tenant(f"drill{os.getpid()}{int(time.time())}")
+        await state.close()
+        return token
+
+    return asyncio.run(make())
 
 
 class Injector:

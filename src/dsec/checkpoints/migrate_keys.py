@@ -29,7 +29,7 @@ from dsec import errors
 from dsec.blobs import BlobStore
 from dsec.checkpoints.unit import commit_unit, load_meta
 from dsec.state.keys import CHECKPOINT_HEX_RE, EPISODE_ID_RE, episode_key, sandbox_checkpoint_episode
-from dsec.state.store import StateStore
+from dsec.state.sqlite import SqliteDB
 
 log = logging.getLogger(__name__)
 _BASES = "sandbox-checkpoints/bases/"
@@ -68,9 +68,12 @@ def _move(store: BlobStore, old: str, new: str, keys: list[str], tenant_meta: st
         store.delete(key)
 
 
-def migrate_legacy_keys(state: StateStore, store: BlobStore, journal_dir: Path | None = None) -> int:
+def migrate_legacy_keys(state: SqliteDB, store: BlobStore, journal_dir: Path | None = None) -> int:
     """Move every flagged tenant's episodes and checkpoints to its uid keys; returns how
-    many episodes/checkpoints moved. Idempotent; a no-op once no tenant is flagged."""
+    many episodes/checkpoints moved. Idempotent; a no-op once no tenant is flagged.
+
+    Only an SQLite store can hold pre-uid tenants (a Redis store is new with schema 2),
+    and this runs once at start before serving: the synchronous core is used."""
     legacy = [t for t in state.list_tenants() if t.legacy_keys and t.uid]
     if not legacy:
         return 0

@@ -22,11 +22,23 @@ def _store():
 
 def _episode_key(tenant: str, episode_id: str) -> str:
     """The store key of ``tenant``'s episode: keyed by the tenant's uid (read from the state DB)."""
+    import asyncio
+
     from dsec.config import get_settings
     from dsec.errors import NotFound
-    from dsec.state import SqliteStateStore
+    from dsec.state import state_for
     from dsec.state.keys import episode_key
-    rec = SqliteStateStore(get_settings().home / "state.db").get_tenant(tenant)
+
+    async def lookup():  # -> TenantRecord | None
+        settings = get_settings()
+        state = state_for(settings.state_url, settings.home)  # the server's store (DSEC_STATE_URL)
+        try:
+            await state.open()
+            return await state.get_tenant(tenant)
+        finally:
+            await state.close()
+
+    rec = asyncio.run(lookup())
     if rec is None:
         raise NotFound(f"tenant {tenant!r} not found in this DSEC_HOME's state; list tenants with `dsec tenant ls`")
     return episode_key(rec.uid, episode_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -57,7 +58,7 @@ class Server:
 @pytest.fixture
 def env(tmp_path):
     state = SqliteStateStore(tmp_path / "state.db")
-    _, token = TenantAuth(state).create_tenant("alice")
+    _, token = asyncio.run(TenantAuth(state).create_tenant("alice"))
     yield tmp_path, state, token
     for mp in syscalls.mounts_under(str(tmp_path)):
         try:
@@ -106,7 +107,7 @@ def test_sdk_episode_survives_server_restart(env):
 def test_episodes_are_per_tenant(env):
     """Another tenant cannot see or drive an episode with the same id."""
     work, state, token = env
-    _, token_b = TenantAuth(state).create_tenant("bob")
+    _, token_b = asyncio.run(TenantAuth(state).create_tenant("bob"))
     srv = Server(work, state)
     url = f"http://127.0.0.1:{srv.port}"
     a = Episode.open("same", image="bb", client=Client(url=url, token=token))

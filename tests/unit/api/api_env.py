@@ -35,9 +35,9 @@ async def make_env(tmp_path: Path, **over: object) -> Env:
     services = Services.build(settings, node, SqliteStateStore(tmp_path / "state.db"))
     await services.start()
     app = create_app(services, manage_lifecycle=False)
-    _, admin_tok = services.auth.create_tenant("admin", admin=True)
-    _, alice_tok = services.auth.create_tenant("alice", max_sandboxes=2, max_cpu=6)
-    _, bob_tok = services.auth.create_tenant("bob", images=["busybox*"])
+    _, admin_tok = await services.auth.create_tenant("admin", admin=True)
+    _, alice_tok = await services.auth.create_tenant("alice", max_sandboxes=2, max_cpu=6)
+    _, bob_tok = await services.auth.create_tenant("bob", images=["busybox*"])
 
     def client(tok: str | None) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {tok}"} if tok else {}

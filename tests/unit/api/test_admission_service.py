@@ -35,12 +35,13 @@ class Gate:
 
 async def _alice(env: Env) -> TenantRecord:
     """The fixture's tenant alice (max_sandboxes=2)."""
-    return env.services.auth.authenticate(f"Bearer {env.alice_token}")
+    return await env.services.auth.authenticate(f"Bearer {env.alice_token}")
 
 
 async def _settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
+    # Real time, not a count of loop turns: state writes hop to the store's thread.
+    for _ in range(20):
+        await asyncio.sleep(0.005)
 
 
 async def test_cancelled_caller_keeps_its_reservation_until_the_creation_settles(env: Env) -> None:

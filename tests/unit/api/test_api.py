@@ -138,7 +138,7 @@ async def test_reconcile_marks_vanished_sandboxes_dead(env: Env) -> None:
     sb = await _create(env.alice)
     del env.node.sandboxes[sb["id"]]
     await env.services.sandboxes.reconcile()
-    assert sb["id"] not in env.services.state.live_sandbox_ids()
+    assert sb["id"] not in await env.services.state.live_sandbox_ids()
     assert (await env.alice.get(f"/v1/sandboxes/{sb['id']}/audit")).status_code == 200
 
 

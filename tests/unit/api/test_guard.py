@@ -15,7 +15,7 @@ SETTINGS = Settings(max_upload_bytes=1000, api_max_json_bytes=1024, checkpoint_m
 
 
 class _Auth:
-    def authenticate(self, header: str | None) -> Any:
+    async def authenticate(self, header: str | None) -> Any:
         if header != "Bearer good":
             raise Unauthorized("invalid API token")
         return SimpleNamespace(name="alice")

@@ -10,7 +10,7 @@ from pathlib import Path
 from dsec.blobs.local import LocalBlobStore
 from dsec.checkpoints.migrate_keys import legacy_target, migrate_legacy_keys
 from dsec.checkpoints.unit import Compat, UnitMeta, commit_unit, complete_units, list_unit_keys
-from dsec.state import SqliteStateStore
+from dsec.state import SqliteDB
 from dsec.state.keys import episode_key, sandbox_checkpoint_episode
 
 HEX = "0123456789abcdef01234567"
@@ -40,7 +40,7 @@ def test_pre_uid_store_moves_to_uid_keys(tmp_path: Path) -> None:
     episodes (units, owner record, journal) and checkpoints (units, restored sandboxes'
     base records) to uid keys; an ambiguous legacy key stays put; a second run is a no-op."""
     db_path = tmp_path / "state.db"
-    SqliteStateStore(db_path).close()
+    SqliteDB(db_path).close()
     db = sqlite3.connect(db_path)
     for i, name in enumerate(["alice", "epi", "epi--x"]):
         body = json.dumps({"name": name, "token_hash": f"h{i}", "created_at": 1.0})
@@ -57,7 +57,7 @@ def test_pre_uid_store_moves_to_uid_keys(tmp_path: Path) -> None:
     journals.mkdir()
     (journals / "alice--run1.jsonl.zst").write_bytes(b"j")
 
-    state = SqliteStateStore(db_path)
+    state = SqliteDB(db_path)
     alice = state.get_tenant("alice")
     assert alice is not None and alice.legacy_keys
     assert migrate_legacy_keys(state, store, journals) == 2

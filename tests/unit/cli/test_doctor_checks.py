@@ -107,7 +107,7 @@ def test_configured_services_unreachable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connection refused
-        checks = doctor.check_services(Settings(state_backend="redis", redis_url=f"redis://127.0.0.1:{port}/0"))
+        checks = doctor.check_services(Settings(state_url=f"redis://127.0.0.1:{port}/0"))
     assert [c.name for c in checks] == ["redis"]
     assert checks[0].status == "fail" and f"127.0.0.1:{port}" in checks[0].detail
     assert doctor.check_services(Settings()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,16 +19,16 @@ from dsec.state.sqlite import SqliteStateStore
 from dsec.testing import FakeNodeAgent
 
 
-def _services(home: Path) -> tuple[Services, str]:
+async def _services(home: Path) -> tuple[Services, str]:
     settings = Settings(home=home, api_audit_flush_s=0.05, client_backoff_s=0.01)
     services = Services.build(settings, FakeNodeAgent(settings), SqliteStateStore(home / "state.db"))
-    _, token = services.auth.create_tenant("t1", max_sandboxes=50)
+    _, token = await services.auth.create_tenant("t1", max_sandboxes=50)
     return services, token
 
 
 @pytest.fixture
 async def aclient(tmp_path: Path) -> AsyncIterator[tuple[AsyncClient, Services]]:
-    services, token = _services(tmp_path)
+    services, token = await _services(tmp_path)
     await services.start()
     app = create_app(services, manage_lifecycle=False)
     c = AsyncClient("http://dsec", token, transport=httpx.ASGITransport(app=app))
@@ -41,7 +42,7 @@ def live_server(tmp_path: Path) -> Iterator[tuple[str, str, Services]]:
     """uvicorn on 127.0.0.1:<free port> in a thread (the sync client needs a real socket)."""
     import uvicorn
 
-    services, token = _services(tmp_path)
+    services, token = asyncio.run(_services(tmp_path))
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="on"))
     th = threading.Thread(target=server.run, daemon=True)

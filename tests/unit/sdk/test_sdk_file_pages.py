@@ -18,7 +18,7 @@ from dsec.testing import FakeNodeAgent
 async def test_async_list_follows_pages(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, api_list_max_entries=3, api_audit_flush_s=0.05)
     services = Services.build(settings, FakeNodeAgent(settings), SqliteStateStore(tmp_path / "state.db"))
-    _, token = services.auth.create_tenant("t1")
+    _, token = await services.auth.create_tenant("t1")
     await services.start()
     app = create_app(services, manage_lifecycle=False)
     transport = httpx.ASGITransport(app=app)

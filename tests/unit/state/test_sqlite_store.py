@@ -1,10 +1,11 @@
-"""SQLite state store: tenants, idempotency keys, ownership and audit, durable across reopen."""
+"""SQLite state store (its synchronous core ``SqliteDB``): durable across reopen."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dsec.state import AuditRecord, IdempotencyRecord, SqliteStateStore, TenantRecord
+from dsec.state import AuditRecord, IdempotencyRecord, TenantRecord
+from dsec.state import SqliteDB as SqliteStateStore
 
 
 def test_tenants_roundtrip_and_token_lookup(tmp_path: Path) -> None:

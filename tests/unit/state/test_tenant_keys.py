@@ -12,7 +12,7 @@ import pytest
 
 from dsec import errors
 from dsec.api.auth import TenantAuth
-from dsec.state import IdempotencyRecord, SqliteStateStore
+from dsec.state import IdempotencyRecord, SqliteDB, SqliteStateStore
 from dsec.state.keys import (
     TENANT_UID_RE,
     episode_key,
@@ -75,25 +75,25 @@ def test_uids_never_equal_a_tenant_name() -> None:
         assert TENANT_UID_RE.match(uid) and not re.match(TENANT_NAME_PATTERN, uid)
 
 
-def test_recreated_tenant_gets_a_new_uid(tmp_path: Path) -> None:
+async def test_recreated_tenant_gets_a_new_uid(tmp_path: Path) -> None:
     """Creating a tenant again under a removed one's name gives a different uid; the uid is
     stable across reopen; re-issuing a token for the SAME tenant keeps it."""
     state = SqliteStateStore(tmp_path / "s.db")
     auth = TenantAuth(state)
-    first, _ = auth.create_tenant("bob")
-    state.delete_tenant("bob")
-    second, _ = auth.create_tenant("bob")
+    first, _ = await auth.create_tenant("bob")
+    await state.delete_tenant("bob")
+    second, _ = await auth.create_tenant("bob")
     assert first.uid != second.uid and TENANT_UID_RE.match(second.uid)
-    state.close()
+    await state.close()
     state = SqliteStateStore(tmp_path / "s.db")
-    assert state.get_tenant("bob").uid == second.uid  # type: ignore[union-attr]
-    again, _ = TenantAuth(state).create_tenant("bob2", uid=second.uid)
+    assert (await state.get_tenant("bob")).uid == second.uid  # type: ignore[union-attr]
+    again, _ = await TenantAuth(state).create_tenant("bob2", uid=second.uid)
     assert again.uid == second.uid
 
 
 def test_purge_tenant_drops_its_idempotency_keys(tmp_path: Path) -> None:
     """Purging a uid deletes its request ids only; another tenant's stay."""
-    s = SqliteStateStore(tmp_path / "s.db")
+    s = SqliteDB(tmp_path / "s.db")
     u1, u2 = new_tenant_uid(), new_tenant_uid()
     s.idem_reserve(IdempotencyRecord(tenant=u1, request_id="r", sandbox_id="sb-1", created_at=1))
     s.idem_reserve(IdempotencyRecord(tenant=u2, request_id="r", sandbox_id="sb-2", created_at=1))
@@ -109,16 +109,16 @@ def test_legacy_store_is_migrated_to_uids(tmp_path: Path) -> None:
     idempotency keys and sandbox ownership (hence its audit logs) move to it; rows of a
     tenant removed before the upgrade stay under its name, reachable by nobody."""
     path = tmp_path / "s.db"
-    SqliteStateStore(path).close()  # schema
+    SqliteDB(path).close()  # schema
     db = sqlite3.connect(path)
     body = json.dumps({"name": "alice", "token_hash": "h1", "admin": False, "created_at": 1.0})
     db.execute("INSERT INTO tenants(name, token_hash, body) VALUES ('alice', 'h1', ?)", (body,))
     db.execute("INSERT INTO idempotency VALUES ('alice', 'r1', 'sb-a', 1, '{\"id\": \"sb-a\"}', 1.0)")
-    db.execute("INSERT INTO sandboxes VALUES ('sb-a', 'alice', 1.0, NULL)")
-    db.execute("INSERT INTO sandboxes VALUES ('sb-gone', 'carol', 1.0, 2.0)")  # carol removed earlier
+    db.execute("INSERT INTO sandboxes(id, tenant, created_at, dead_at) VALUES ('sb-a', 'alice', 1.0, NULL)")
+    db.execute("INSERT INTO sandboxes(id, tenant, created_at, dead_at) VALUES ('sb-gone', 'carol', 1.0, 2.0)")  # carol removed earlier
     db.commit()
     db.close()
-    s = SqliteStateStore(path)
+    s = SqliteDB(path)
     alice = s.get_tenant("alice")
     assert alice is not None and TENANT_UID_RE.match(alice.uid)
     assert s.sandbox_owner("sb-a") == alice.uid
@@ -126,4 +126,4 @@ def test_legacy_store_is_migrated_to_uids(tmp_path: Path) -> None:
                           ).sandbox_id == "sb-a"
     assert s.sandbox_owner("sb-gone") == "carol"  # orphaned: no uid equals a name
     s.close()
-    assert SqliteStateStore(path).get_tenant("alice").uid == alice.uid  # type: ignore[union-attr]
+    assert SqliteDB(path).get_tenant("alice").uid == alice.uid  # type: ignore[union-attr]

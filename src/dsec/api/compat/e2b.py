@@ -75,15 +75,15 @@ def e2b_urls(base_url: str) -> dict[str, str]:
     return {"e2b_api_url": base_url + API_PREFIX, "e2b_sandbox_url": base_url + ENVD_PREFIX}
 
 
-def _tenant_from_api_key(svc: Services, request: Request) -> TenantRecord:
+async def _tenant_from_api_key(svc: Services, request: Request) -> TenantRecord:
     key = request.headers.get("x-api-key")
     if not key:
         auth = request.headers.get("authorization")
         if auth:
-            return svc.auth.authenticate(auth)
+            return await svc.auth.authenticate(auth)
         raise Unauthorized("missing X-API-Key: set E2B_API_KEY to a DSec tenant token "
                            "(`dsec tenant add NAME`, or DSEC_HOME/token on the embedded server)")
-    return svc.auth.authenticate("Bearer " + key)
+    return await svc.auth.authenticate("Bearer " + key)
 
 
 def _http_error_response(err: DSecError, retry_after: float) -> JSONResponse:
@@ -120,7 +120,7 @@ def rest_router() -> APIRouter:
         async def handler(request: Request) -> Response:
             svc: Services = request.app.state.services
             try:
-                return await fn(svc, _tenant_from_api_key(svc, request), request)
+                return await fn(svc, await _tenant_from_api_key(svc, request), request)
             except DSecError as e:
                 return _http_error_response(e, svc.settings.api_retry_after_s)
         handler.__name__ = fn.__name__
@@ -251,7 +251,7 @@ class EnvdService:
         self._pids = itertools.count(1000)
 
     # --- auth -----------------------------------------------------------------------------
-    def authenticate(self, request: Request) -> tuple[TenantRecord, str]:
+    async def authenticate(self, request: Request) -> tuple[TenantRecord, str]:
         """(tenant, sandbox id) from ``E2b-Sandbox-Id`` + ``X-Access-Token``; nothing of
         the body is read before this passes."""
         sid = request.headers.get("e2b-sandbox-id") or ""
@@ -265,7 +265,7 @@ class EnvdService:
         if hit is not None and hit[1] > now:
             return hit[0], sid
         name = w.envd_token_tenant(token)
-        rec = self.svc.state.get_tenant(name) if name else None
+        rec = await self.svc.state.get_tenant(name) if name else None
         if rec is None or not w.envd_token_valid(token, rec.name, rec.token_hash, sid):
             raise Unauthorized(f"invalid envd access token for sandbox {sid}")
         if len(self._tokens) > 100_000:
@@ -276,7 +276,7 @@ class EnvdService:
     # --- HTTP endpoints ---------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         try:
-            tenant, sid = self.authenticate(request)
+            tenant, sid = await self.authenticate(request)
             info = await self.svc.sandboxes.get(tenant, sid)
             if info.state in _DEAD:
                 raise NotFound(f"sandbox {sid} is {info.state.value}", sandbox_id=sid)
@@ -292,7 +292,7 @@ class EnvdService:
 
     async def read_file(self, request: Request) -> Response:
         try:
-            tenant, sid = self.authenticate(request)
+            tenant, sid = await self.authenticate(request)
             path = _absolute(request.query_params.get("path") or "")
             data = await self.svc.sandboxes.read_file(tenant, sid, path)
         except DSecError as e:
@@ -301,7 +301,7 @@ class EnvdService:
 
     async def write_files(self, request: Request) -> Response:
         try:
-            tenant, sid = self.authenticate(request)
+            tenant, sid = await self.authenticate(request)
             if request.headers.get("content-encoding", "identity") != "identity":
                 raise InvalidArgument("compressed uploads are not supported: write without gzip",
                                       field="Content-Encoding")
@@ -334,7 +334,7 @@ class EnvdService:
         sid = ""
         in_stream = False  # errors before the body is read answer with an HTTP status, even for streams
         try:
-            tenant, sid = self.authenticate(request)
+            tenant, sid = await self.authenticate(request)
             ctype = request.headers.get("content-type", "").split(";")[0].strip()
             want = "application/connect+json" if stream else "application/json"
             if (stream or unary) and ctype != want:
