@@ -32,7 +32,7 @@ from dsec.node.resolve import resolve_spec
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
 from dsec.runtime.agent_client import agent_ping
-from dsec.runtime.oci import AGENT_PATH_IN_SANDBOX, RuntimeSpec, build_config
+from dsec.runtime.oci import RuntimeSpec, build_config
 from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
 
 log = logging.getLogger("dsec.node")
@@ -41,15 +41,6 @@ log = logging.getLogger("dsec.node")
 # (teardown, PID-reuse guards) use it, and a node agent is one process (several nodes on
 # one box, as `dsec cluster up` makes, each run their agent in their own process).
 CGROUP_PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
-
-
-GVISOR_AGENT_DIR = "/.dsec/run"  # in a gVisor sandbox: host-backed dir holding the agent socket
-GVISOR_AGENT_SOCK_NAME = "a.sock"
-
-
-def gvisor_agent_dir(p: SandboxPaths) -> Path:
-    """Host dir bind-mounted at GVISOR_AGENT_DIR (short: a socket path is at most 108 bytes)."""
-    return p.run / f"{p.sandbox_id}.d"
 
 
 def new_sandbox_id() -> str:
@@ -88,8 +79,6 @@ class SandboxManager:
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
         self.before_teardown: list[Callable[[str], None]] = []
-        # gVisor tier: O_PATH fds pinning each sandbox's agent socket inode (agent_socket)
-        self._gvisor_agent_fds: dict[str, int] = {}
         self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
         self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
         self.disk = parse_bytes(settings.node_disk) if settings.node_disk else int(shutil.disk_usage(
@@ -231,10 +220,9 @@ class SandboxManager:
         if info.isolation == "gvisor":
             # network=None: gVisor's netstack with loopback only; else its netstack drives
             # the slot's eth0 (the allow-list stays on the host end of the veth).
-            # --host-uds=create: the agent binds its socket on the host-backed /.dsec/run.
             net_flag = "--network=sandbox" if netns else "--network=none"
-            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log,
-                                                         (net_flag, "--host-uds=create"), netstack_netns=netns)
+            pid = await self.runtime(info.isolation).run(info.id, p.bundle, None, p.log, (net_flag,),
+                                                         netstack_netns=netns)
         else:
             sock = listen_socket(p.socket)
             try:
@@ -245,55 +233,10 @@ class SandboxManager:
         if info.isolation == "gvisor":
             for gpid in await asyncio.to_thread(_gvisor_pids, info.id, pid):
                 cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
-        if info.isolation == "gvisor":
-            await self._pin_gvisor_agent(info.id)
-        elif not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
+        if info.isolation != "gvisor" and not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
             raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
                                  f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
                                  sandbox_id=info.id)
-
-    async def _pin_gvisor_agent(self, sid: str) -> None:
-        """Wait for a gVisor sandbox's agent to bind its socket, then pin that inode.
-
-        The socket lives in a host dir the sandbox sees at /.dsec/run, so sandbox code
-        could later unlink it and bind its own there (and answer the node's execs with
-        made-up results). The node therefore connects only through an O_PATH fd taken
-        here, before any sandbox command ran: ``/proc/self/fd/N`` always reaches the
-        agent's own socket, whatever happens to the name.
-        """
-        path = gvisor_agent_dir(self.paths(sid)) / GVISOR_AGENT_SOCK_NAME
-        deadline = time.monotonic() + self.settings.agent_connect_timeout_s
-        while not await agent_ping(path, 1.0):
-            if time.monotonic() > deadline:
-                raise SandboxFailure(f"sandbox {sid}: gVisor exec agent did not answer at {path} within "
-                                     f"{self.settings.agent_connect_timeout_s}s; runtime log: "
-                                     f"{_tail(self.paths(sid).log)}", sandbox_id=sid)
-            await asyncio.sleep(0.005)
-        old = self._gvisor_agent_fds.pop(sid, None)  # a reset re-made the sandbox
-        if old is not None:
-            os.close(old)
-        self._gvisor_agent_fds[sid] = os.open(path, os.O_PATH | os.O_CLOEXEC)
-
-    def pinned_agent_socket(self, sandbox_id: str) -> Path | None:
-        """The gVisor agent socket already pinned for sandbox_id (no lookup by name)."""
-        fd = self._gvisor_agent_fds.get(sandbox_id)
-        return None if fd is None else Path(f"/proc/self/fd/{fd}")
-
-    def agent_socket(self, sandbox_id: str, isolation: str) -> Path | None:
-        """Where the node connects to a sandbox's exec agent; None for a gVisor sandbox
-        started without one (made by an older node: its execs use ``runsc exec``).
-        An adopted gVisor sandbox (node restarted) is pinned by name on first use."""
-        if isolation != "gvisor":
-            return self.paths(sandbox_id).socket
-        fd = self._gvisor_agent_fds.get(sandbox_id)
-        if fd is None:
-            path = gvisor_agent_dir(self.paths(sandbox_id)) / GVISOR_AGENT_SOCK_NAME
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                return None
-            self._gvisor_agent_fds[sandbox_id] = fd
-        return Path(f"/proc/self/fd/{fd}")
 
     def _prepare_root(self, rec: SandboxRecord, p: SandboxPaths, extra_lower_dirs: list[Path]) -> None:
         info = rec.info
@@ -322,14 +265,6 @@ class SandboxManager:
         config = build_config(spec)
         if info.isolation == "gvisor":
             _gvisor_bind_tmp(config, p.rootfs)
-            # The agent binds its socket here itself (runsc passes no fds); commands run under
-            # dsec-init's seccomp filter (runsc applies no OCI profile, see --filter).
-            agent_dir = gvisor_agent_dir(p)
-            agent_dir.mkdir(mode=0o700, exist_ok=True)
-            config["mounts"].append({"destination": GVISOR_AGENT_DIR, "type": "bind", "source": str(agent_dir),
-                                     "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
-            config["process"]["args"] = [AGENT_PATH_IN_SANDBOX, "serve", "--filter", "--listen",
-                                         f"{GVISOR_AGENT_DIR}/{GVISOR_AGENT_SOCK_NAME}"]
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             if netns is None:  # --network=none: runsc makes its own empty netns
@@ -380,10 +315,6 @@ class SandboxManager:
             self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
             raise SandboxFailure(f"cleanup of sandbox {sid} failed: {e}; the reconciler will retry",
                                  sandbox_id=sid) from e
-        fd = self._gvisor_agent_fds.pop(sid, None)
-        if fd is not None:
-            os.close(fd)
-        shutil.rmtree(gvisor_agent_dir(p), ignore_errors=True)
         self.live.pop(sid, None)
         self.active_execs.pop(sid, None)
         self._lowers.pop(sid, None)
