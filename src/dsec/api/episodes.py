@@ -145,6 +145,7 @@ def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
     legacy_db = getattr(services.state, "db", None)  # SqliteDB: the only store that predates uids
     if legacy_db is not None:
         migrate_legacy_keys(legacy_db, store, s.checkpoint_journal_dir or s.home / "journals")
-    engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node, services.sandboxes))
+    # Episode epochs in the shared state store: ownership is a compare-and-set there.
+    engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node, services.sandboxes), state=services.state)
     include_episodes(app, engine)
     return engine

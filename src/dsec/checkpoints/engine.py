@@ -52,6 +52,7 @@ from dsec.checkpoints.unit import (
 )
 from dsec.config import Settings
 from dsec.models import ExecRequest, SandboxSpec
+from dsec.state.store import StateStore
 from dsec.testing.faults import FaultInjected, fault_point
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,11 @@ def _stdin_digest(stdin: str | None) -> str | None:
 
 class EpisodeEngine:
     def __init__(self, settings: Settings, store: BlobStore, host: EpisodeHost,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, state: StateStore | None = None) -> None:
         self.settings, self.store, self.host = settings, store, host
+        # Owner epochs by compare-and-set in the state store (shared by every API server);
+        # without one, the blob store's owner record (one server only: see owners.py).
+        self.owners = owners.EpisodeOwners(store, state)
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
         self.layers = LayerCache.at(self.cache_dir, settings.checkpoint_layer_gc_grace_s)
         self._live: dict[str, _Live] = {}
@@ -117,7 +121,7 @@ class EpisodeEngine:
             live = self._live.get(episode_id)
             if live is not None:
                 async with live.lock:  # no write of the previous owner is half-way through
-                    live.epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [live.epoch])
+                    live.epoch = await self.owners.claim(episode_id, [live.epoch])
                 return self._info(live)
             units = await asyncio.to_thread(owners.restorable, self.store, episode_id)
             if not units:
@@ -125,9 +129,9 @@ class EpisodeEngine:
                     raise errors.CheckpointError(
                         f"episode {episode_id!r} has checkpoint units but none is complete; "
                         "inspect it with `dsec episode show` or delete it to start over")
-                epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [])
+                epoch = await self.owners.claim(episode_id, [])
                 return await self._create(episode_id, spec or SandboxSpec(), epoch)
-            epoch = await asyncio.to_thread(owners.claim, self.store, episode_id, [m.epoch for m in units])
+            epoch = await self.owners.claim(episode_id, [m.epoch for m in units])
             t0 = time.perf_counter()
             failures = []
             next_seq = 1 + max(seq for seq, _ in await asyncio.to_thread(list_unit_keys, self.store, episode_id))
@@ -177,7 +181,8 @@ class EpisodeEngine:
             async with live.lock:
                 await self._write_unit(live, "open")
         except BaseException:
-            await self.sandboxes.drop(episode_id, live.sandbox_id)
+            if live.sandbox_id:  # a fenced open unit already dropped it (_evict_stale)
+                await self.sandboxes.drop(episode_id, live.sandbox_id)
             await self._close_journal(live)
             raise
         self._live[episode_id] = live
@@ -361,6 +366,7 @@ class EpisodeEngine:
             parts.append(("context", context))
         compact = record is not None and len(segments) + 1 >= self.settings.checkpoint_full_every
         frame = b""  # this record's zstd frame, set by write()
+        loop = asyncio.get_running_loop()
 
         def write() -> UnitMeta:
             nonlocal frame
@@ -395,7 +401,7 @@ class EpisodeEngine:
                 weights_ref=live.weights_ref, meta=dict(live.user_meta), epoch=live.epoch)
             meta.inline = self._carry_inline(meta, inline, live.inline)
             # Another server may have resumed the episode meanwhile: its owner record wins.
-            self._fence(live, None, owners.stored_epoch(self.store, live.id))
+            self._fence(live, None, self.owners.current_blocking(live.id, loop))
             key = commit_unit(self.store, meta)
             keys = [*(live.unit_keys or []), (meta.seq, key)] if live.unit_keys is not None else None
             try:
