@@ -1,4 +1,4 @@
-"""``dsec image``: import, build, ls, inspect, export, rm, gc, verify, ensure-stock."""
+"""``dsec image``: import, build, ls, inspect, export, push, pull, rm, gc, verify, ensure-stock."""
 
 from __future__ import annotations
 
@@ -138,6 +138,57 @@ def build(file: Path = typer.Option(..., "-f", "--file", help="Build spec (YAML)
     except DSecError as exc:
         _fail(exc)
     typer.echo(f"built {tag} {result.image.id} ({result.cached} cached, {result.built} built steps)")
+
+
+def _creds(username: str | None, password_stdin: bool):  # type: ignore[no-untyped-def]
+    from dsec.images.registry_ops import Credentials
+
+    password = sys.stdin.readline().rstrip("\r\n") if password_stdin else None
+    return Credentials(username, password)
+
+
+_INSECURE_HELP = "Allow plain http (and unverified TLS) to a non-loopback registry (loopback may use http anyway)"
+
+
+@app.command()
+def push(image: str, ref: str,
+         insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
+         username: str | None = typer.Option(None, "--username", "-u", help="Registry user (else registry_username)"),
+         password_stdin: bool = typer.Option(False, "--password-stdin", help="Read the password from stdin")) -> None:
+    """Push a local IMAGE to an OCI registry as REF (HOST[:PORT]/REPO[:TAG]); blobs are sent byte for byte."""
+    from dsec.images.progress import progress_reporter
+    from dsec.images.registry_ops import push as _push
+
+    try:
+        creds = _creds(username, password_stdin)
+        t0 = time.monotonic()
+        with progress_reporter(f"push {ref}") as prog:
+            digest = _push(_store(), image, ref, insecure=insecure, creds=creds, progress=prog)
+    except DSecError as exc:
+        _fail(exc)
+    typer.echo(f"pushed {image} to {ref} {digest} ({time.monotonic() - t0:.1f}s)")
+
+
+@app.command()
+def pull(ref: str, name: str | None = typer.Option(None, "--name", help="Local NAME:TAG (default: REF itself)"),
+         insecure: bool = typer.Option(False, "--insecure", help=_INSECURE_HELP),
+         username: str | None = typer.Option(None, "--username", "-u", help="Registry user (else registry_username)"),
+         password_stdin: bool = typer.Option(False, "--password-stdin", help="Read the password from stdin"),
+         unpack: bool = typer.Option(True, "--unpack/--no-unpack", help="Unpack the layers now (else on first use)"),
+         ) -> None:
+    """Pull REF (HOST[:PORT]/REPO[:TAG|@sha256:...]) from an OCI registry; every blob is digest-verified."""
+    from dsec.images.progress import progress_reporter
+    from dsec.images.registry_ops import pull as _pull
+
+    try:
+        creds = _creds(username, password_stdin)
+        t0 = time.monotonic()
+        with progress_reporter(f"pull {ref}") as prog:
+            info = _pull(_store(), ref, name=name, insecure=insecure, creds=creds, progress=prog, unpack=unpack)
+    except DSecError as exc:
+        _fail(exc)
+    typer.echo(f"pulled {', '.join(info.names)} {info.id} ({len(info.layers)} layers, {_human(info.size)}, "
+               f"{time.monotonic() - t0:.1f}s)")
 
 
 @app.command("ensure-stock")

@@ -1,0 +1,242 @@
+"""``push`` / ``pull`` between the local ImageStore and an OCI distribution registry.
+
+Push sends the stored blobs byte for byte (layer digests and the manifest digest are
+unchanged). Pull follows the store's failure rule (``ops.py``): every blob is streamed
+into ``blobs/ingest``, its size bounded by the descriptor, its sha256 compared with the
+manifest's digest, and only then renamed into place; a pull that fails anywhere removes
+every blob/layer it created that nothing else references, and registers nothing.
+
+Single flight: one fetch per blob digest at a time across threads and processes
+(``store.locks`` ``blob-<digest>``, the same key imports use); a waiter finds the blob
+present and only re-verifies it. At most ``image_max_concurrent_pulls`` blobs move at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dsec.errors import DigestMismatch, ImageError, NotFound
+from dsec.images import media
+from dsec.images.fsutil import check_digest, digest_of
+from dsec.images.registry import MAX_CONFIG_BYTES, Reference, RegistryClient, parse_reference, pick_platform
+from dsec.models.image import ImageInfo, LayerInfo
+
+if TYPE_CHECKING:
+    from dsec.images.store import ImageStore, Progress
+
+
+class Credentials:
+    """Registry credentials: explicit values win over settings (never logged)."""
+
+    def __init__(self, username: str | None = None, password: str | None = None) -> None:
+        self.username = username
+        self.password = password
+
+
+def client_for(store: ImageStore, registry: str, insecure: bool = False,
+               creds: Credentials | None = None) -> RegistryClient:
+    s = store.settings
+    user = (creds.username if creds and creds.username else None) or s.registry_username
+    pw = (creds.password if creds and creds.password is not None else None) or s.registry_password
+    return RegistryClient(registry, username=user, password=pw, insecure=insecure, ca_file=s.registry_ca_file,
+                          timeout_s=s.registry_timeout_s, pool=max(2, s.image_max_concurrent_pulls + 2))
+
+
+def _run_bounded(fn: Callable[[Any], Any], items: list[Any], workers: int) -> list[Any]:
+    """Run ``fn`` over items with at most ``workers`` at once; wait for ALL to finish
+    before raising the first error (nothing is still writing when the caller rolls back)."""
+    if len(items) <= 1 or workers <= 1:
+        return [fn(i) for i in items]
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsec-registry") as pool:
+        futs = {pool.submit(fn, it): k for k, it in enumerate(items)}
+        for fut in cf.as_completed(futs):
+            try:
+                results[futs[fut]] = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below after every worker finished
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --- pull ---------------------------------------------------------------------------------
+
+def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
+                progress: Progress | None) -> bool:
+    """Fetch one blob into the content store, verified. Returns True if this call wrote it."""
+    with store.locks.hold("blob-" + digest):
+        if store.content.has(digest):
+            store.content.verify(digest, what)  # re-hash once per process; a bad one is removed
+            if progress:
+                progress(f"{digest[7:19]} (local)", size, size)
+            return False
+        with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
+            got = 0
+            for chunk in r.iter_bytes(1 << 20):
+                got += len(chunk)
+                if got > size:
+                    raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
+                                         "descriptor names; nothing was stored", expected=digest)
+                w.write(chunk)
+                if progress:
+                    progress(digest[7:19], len(chunk), size)
+            if got != size:
+                raise DigestMismatch(f"{what}: the registry sent {got} of {size} bytes (truncated); nothing "
+                                     "was stored", expected=digest)
+            if w.digest != digest:
+                raise DigestMismatch(f"{what}: the bytes registry {rc.registry} sent hash to {w.digest}, not "
+                                     "to the manifest's digest; nothing was stored", expected=digest, actual=w.digest)
+            w.commit(digest, what)  # fsync, then rename into place
+        return True
+
+
+def _manifest_for(rc: RegistryClient, ref: Reference) -> tuple[bytes, str, str]:
+    """Resolve a reference to one linux/amd64 image manifest: (raw, media type, digest)."""
+    what = f"manifest {ref}"
+    raw, mt, header_digest = rc.get_manifest(ref.repository, ref.reference, what)
+    digest = digest_of(raw)
+    if ref.digest and digest != ref.digest:
+        raise DigestMismatch(f"{what}: the registry's manifest hashes to {digest}, not the digest asked for",
+                             expected=ref.digest, actual=digest)
+    if header_digest and header_digest.startswith("sha256:") and header_digest != digest:
+        raise DigestMismatch(f"{what}: manifest bytes hash to {digest} but the registry says {header_digest}",
+                             expected=header_digest, actual=digest)
+    doc = _json(raw, what)
+    mt = doc.get("mediaType") or mt
+    if mt in media.INDEX_TYPES:
+        desc = pick_platform(doc, what)
+        sub = check_digest(str(desc.get("digest", "")), f"{what}: index entry")
+        raw, mt, _ = rc.get_manifest(ref.repository, sub, f"manifest {ref} (linux/amd64 {sub})")
+        if digest_of(raw) != sub:
+            raise DigestMismatch(f"{what}: platform manifest hashes to {digest_of(raw)}, index names {sub}",
+                                 expected=sub, actual=digest_of(raw))
+        digest = sub
+        mt = _json(raw, what).get("mediaType") or mt
+    if mt not in media.MANIFEST_TYPES:
+        raise ImageError(f"{what}: unsupported manifest media type {mt!r}; supported: "
+                         f"{', '.join(sorted(media.MANIFEST_TYPES | media.INDEX_TYPES))}", media_type=mt)
+    return raw, mt, digest
+
+
+def _json(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ImageError(f"{what}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ImageError(f"{what}: not a JSON object")
+    return doc
+
+
+def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure: bool = False,
+         creds: Credentials | None = None, progress: Progress | None = None, unpack: bool = True) -> ImageInfo:
+    """Pull ``HOST[:PORT]/REPO[:TAG|@DIGEST]`` into the store (verified), register it
+    under ``name`` (default: the reference itself) and, with ``unpack``, unpack its layers."""
+    ref = parse_reference(ref_text, store.settings.image_registry)
+    new_blobs: list[str] = []
+    new_layers: list[str] = []
+    lease = store.new_lease_key("pull")
+    try:
+        with client_for(store, ref.registry, insecure, creds) as rc:
+            raw, _mt, mdigest = _manifest_for(rc, ref)
+            doc = _json(raw, f"manifest {ref}")
+            cdesc = doc.get("config") or {}
+            if cdesc.get("mediaType") not in media.CONFIG_TYPES:
+                raise ImageError(f"manifest {ref}: unsupported config media type {cdesc.get('mediaType')!r}")
+            cdigest = check_digest(str(cdesc.get("digest", "")), f"manifest {ref}: config")
+            csize = int(cdesc.get("size") or 0)
+            if not 0 < csize <= MAX_CONFIG_BYTES:
+                raise ImageError(f"manifest {ref}: config size {csize} is not in 1..{MAX_CONFIG_BYTES}")
+            layers_desc = doc.get("layers") or []
+            wanted: list[tuple[str, int, str]] = []  # (digest, size, what)
+            for i, ld in enumerate(layers_desc):
+                what = f"layer {i} of {ref}"
+                media.layer_compression(str(ld.get("mediaType")), what)  # unknown media type: refused by name
+                wanted.append((check_digest(str(ld.get("digest", "")), what), int(ld.get("size") or 0), what))
+            store.lease(lease, [cdigest, mdigest] + [d for d, _, _ in wanted])
+            todo = [(cdigest, csize, f"config {cdigest} of {ref}")]
+            seen = {cdigest}
+            for d, size, what in wanted:
+                if d not in seen:
+                    seen.add(d)
+                    todo.append((d, size, f"{what} ({d})"))
+            new_blobs += [d for d, _, _ in todo if not store.content.has(d)]
+
+            def fetch(item: tuple[str, int, str]) -> None:
+                d, size, what = item
+                try:
+                    _fetch_blob(store, rc, ref, d, size, what, progress)
+                except NotFound as exc:
+                    raise NotFound(f"{what} is missing from registry {ref.registry} although the manifest "
+                                   f"names it ({exc.message})", digest=d, registry=ref.registry) from exc
+
+            _run_bounded(fetch, todo, max(1, store.settings.image_max_concurrent_pulls))
+        config = store.content.read_bytes(cdigest, f"config of {ref}")
+        cfg = _json(config, f"config {cdigest} of {ref}")
+        diff_ids = ((cfg.get("rootfs") or {}).get("diff_ids")) or []
+        if len(diff_ids) != len(wanted):
+            raise ImageError(f"{ref}: manifest has {len(wanted)} layers but its config lists {len(diff_ids)} diff_ids")
+        layers = [LayerInfo(digest=d, diff_id=check_digest(str(diff), f"{ref}: diff_id"), size=size,
+                            media_type=str(ld.get("mediaType")))
+                  for (d, size, _), diff, ld in zip(wanted, diff_ids, layers_desc)]
+        store.lease(lease, [li.diff_id for li in layers])
+        if unpack:
+            new_layers += [li.diff_id for li in layers if not store.layers.present(li.diff_id)]
+            for li in layers:
+                store.ensure_layer(li, progress)  # digest + diff_id recomputed while unpacking
+        info = store.register(config, layers, [name or ref.local_name()], raw)
+        from dsec.images.ops import evict
+        evict(store)
+        return info
+    except BaseException:
+        from dsec.images.ops import _rollback
+        _rollback(store, new_blobs, new_layers, lease)
+        raise
+    finally:
+        store.release(lease)
+
+
+# --- push ---------------------------------------------------------------------------------
+
+def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False,
+         creds: Credentials | None = None, progress: Progress | None = None) -> str:
+    """Push a local image to ``HOST[:PORT]/REPO[:TAG]``; returns the manifest digest
+    (the same digest the manifest has in the local store)."""
+    ref = parse_reference(dest, store.settings.image_registry)
+    if ref.digest:
+        raise ImageError(f"push destination {dest!r} names a digest; give a tag (HOST/REPO:TAG)")
+    info = store.resolve(image_ref)
+    mdigest = store.manifest_digest(info.id)
+    raw = store.content.read_bytes(mdigest, f"manifest of {image_ref}")
+    doc = _json(raw, f"manifest of {image_ref}")
+    mt = doc.get("mediaType") or (media.MT_DOCKER_MANIFEST if (doc.get("config") or {}).get("mediaType")
+                                  == media.MT_DOCKER_CONFIG else media.MT_OCI_MANIFEST)
+    blobs = [(info.id, store.content.size(info.id))] + [(li.digest, li.size) for li in info.layers]
+    for d, _ in blobs:
+        store.content.verify(d, f"blob {d} of {image_ref}")  # never push bytes we cannot vouch for
+    chunk = store.settings.registry_push_chunk_bytes
+    with client_for(store, ref.registry, insecure, creds) as rc:
+        def send(item: tuple[str, int]) -> None:
+            d, size = item
+            if rc.blob_exists(ref.repository, d):
+                if progress:
+                    progress(f"{d[7:19]} (exists)", size, size)
+                return
+            adv = (lambda n: progress(d[7:19], n, size)) if progress else None
+            rc.upload_blob(ref.repository, d, store.content.path(d), size, chunk, adv)
+
+        uniq = list(dict.fromkeys(blobs))
+        _run_bounded(send, uniq, max(1, store.settings.image_max_concurrent_pulls))
+        got = rc.put_manifest(ref.repository, ref.tag or "latest", raw, mt)
+    if got and got != mdigest:
+        raise DigestMismatch(f"registry {ref.registry} stored the manifest of {image_ref} as {got}, not {mdigest}",
+                             expected=mdigest, actual=got)
+    return mdigest
+
+
+__all__ = ["Credentials", "pull", "push"]
