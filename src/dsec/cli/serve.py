@@ -18,6 +18,9 @@ def register(app: typer.Typer) -> None:
               home: Path | None = typer.Option(None, "--home", help="Data dir (default DSEC_HOME)"),
               cluster: str | None = typer.Option(None, "--cluster", help="Run sandboxes on this Ray cluster's "
                                                  "DSec nodes: ray://HEAD:PORT (default DSEC_CLUSTER)"),
+              state: str | None = typer.Option(None, "--state", help="Shared state store: redis://HOST:PORT/DB "
+                                               "(several API servers on one Redis) or sqlite:///PATH "
+                                               "(default DSEC_STATE_URL, else DSEC_HOME/state.db)"),
               log_level: str = typer.Option("info", "--log-level")) -> None:
         """Run the DSec server (state under DSEC_HOME; Ctrl-C shuts down gracefully).
 
@@ -30,6 +33,8 @@ def register(app: typer.Typer) -> None:
             over["home"] = home
         if cluster is not None:
             over["cluster"] = cluster
+        if state is not None:
+            over["state_url"] = state
         settings = load_settings(**over)
         bind_host, bind_port = host or settings.host, settings.port if port is None else port
         _raise_nofile()

@@ -3,6 +3,13 @@
 Every API operation is defined ONCE in ``_Api`` as ``return self._run(call)``; the sync
 client's ``_run`` returns the value, the async client's returns an awaitable. Only the
 two tiny drivers (``_run`` and the exec-stream iterator) differ.
+
+Failover: given several servers (``url=[...]`` / ``DSEC_URL=a,b``), a request that cannot
+be completed on the current one (connection refused, reset, timed out) moves the client
+to the next server; the retry the core's policy allows (never-sent requests, and
+idempotent ones: every create carries a request id) goes there with the same body, so a
+create replayed on another server of the same state returns the same sandbox. Each
+server keeps its own connection pool; the hot path is unchanged (one attribute read).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -21,7 +29,7 @@ from dsec.errors import DSecError
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.node.api import ExecEvent
 from dsec.sdk import _ops
-from dsec.sdk._config import ClientConfig, resolve_config
+from dsec.sdk._config import ClientConfig, failover_url, resolve_config
 from dsec.sdk._core import (
     Call,
     Outcome,
@@ -191,12 +199,31 @@ class Client(_Api):
 
     Requests go over urllib3; an httpx ``transport`` (tests) switches to httpx."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, retries: int | None = None,
-                 timeout: float | None = None, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, url: str | list[str] | None = None, token: str | None = None, *,
+                 retries: int | None = None, timeout: float | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.config = resolve_config(url, token, retries=retries, timeout=timeout)
         self._policy = RetryPolicy(self.config.retries, self.config.backoff_s, self.config.backoff_max_s)
-        self._http = httpx.Client(transport=transport, **_httpx_kwargs(self.config))
-        self._u3 = _U3(self.config) if transport is None else None
+        self._transport = transport
+        self._pools: dict[str, tuple[httpx.Client, _U3 | None]] = {}
+        self._switch = threading.Lock()
+        self._use(self.config.url)
+
+    def _use(self, url: str) -> None:
+        """Send to ``url`` from now on (its pool is made once and kept)."""
+        with self._switch:
+            pair = self._pools.get(url)
+            if pair is None:
+                cfg = replace(self.config, url=url)
+                pair = self._pools[url] = (httpx.Client(transport=self._transport, **_httpx_kwargs(cfg)),
+                                           _U3(cfg) if self._transport is None else None)
+            self._http, self._u3 = pair
+            self.config = replace(self.config, url=url)
+
+    def _failed(self, url: str) -> None:
+        nxt = failover_url(self.config, url)
+        if nxt is not None:
+            self._use(nxt)
 
     def _send(self, call: Call[Any]) -> Response:
         if self._u3 is not None:
@@ -209,10 +236,12 @@ class Client(_Api):
         while True:
             try:
                 if isinstance(step, Send):
+                    url = self.config.url
                     try:
                         out = Outcome(response=self._send(call))
                     except httpx.TransportError as e:
                         out = Outcome(error=e)
+                        self._failed(url)  # the retry (if the policy allows one) goes to the next server
                     step = gen.send(out)
                 else:
                     time.sleep(step.seconds)
@@ -231,6 +260,7 @@ class Client(_Api):
 
     def exec_stream(self, sandbox_id: str, req: ExecRequest) -> Iterator[ExecEvent]:
         call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
+        url = self.config.url
         lines = self._u3.lines(call) if self._u3 is not None else self._httpx_lines(call)
         try:
             for line in lines:
@@ -238,7 +268,8 @@ class Client(_Api):
                 if ev is not None:
                     yield ev
         except httpx.TransportError as e:
-            raise transport_error(e, self.config.url) from e
+            self._failed(url)
+            raise transport_error(e, url) from e
 
     def _httpx_lines(self, call: Call[Any]) -> Iterator[str]:
         with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
@@ -248,9 +279,10 @@ class Client(_Api):
             yield from r.iter_lines()
 
     def close(self) -> None:
-        if self._u3 is not None:
-            self._u3.close()
-        self._http.close()
+        for http, u3 in self._pools.values():
+            if u3 is not None:
+                u3.close()
+            http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -279,12 +311,29 @@ class AsyncClient(_Api):
     in-process tests) uses httpx instead; both feed the same sans-IO core.
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, retries: int | None = None,
-                 timeout: float | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, url: str | list[str] | None = None, token: str | None = None, *,
+                 retries: int | None = None, timeout: float | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = resolve_config(url, token, retries=retries, timeout=timeout)
         self._policy = RetryPolicy(self.config.retries, self.config.backoff_s, self.config.backoff_max_s)
-        self._http = httpx.AsyncClient(transport=transport, **_httpx_kwargs(self.config))
-        self._aio = _Aio(self.config) if transport is None else None
+        self._transport = transport
+        self._pools: dict[str, tuple[httpx.AsyncClient, _Aio | None]] = {}
+        self._use(self.config.url)
+
+    def _use(self, url: str) -> None:
+        """Send to ``url`` from now on (its pool is made once and kept)."""
+        pair = self._pools.get(url)
+        if pair is None:
+            cfg = replace(self.config, url=url)
+            pair = self._pools[url] = (httpx.AsyncClient(transport=self._transport, **_httpx_kwargs(cfg)),
+                                       _Aio(cfg) if self._transport is None else None)
+        self._http, self._aio = pair
+        self.config = replace(self.config, url=url)
+
+    def _failed(self, url: str) -> None:
+        nxt = failover_url(self.config, url)
+        if nxt is not None:
+            self._use(nxt)
 
     async def _send(self, call: Call[Any]) -> Response:
         if self._aio is not None:
@@ -297,10 +346,12 @@ class AsyncClient(_Api):
         while True:
             try:
                 if isinstance(step, Send):
+                    url = self.config.url
                     try:
                         out = Outcome(response=await self._send(call))
                     except httpx.TransportError as e:
                         out = Outcome(error=e)
+                        self._failed(url)  # the retry (if the policy allows one) goes to the next server
                     step = gen.send(out)
                 else:
                     await asyncio.sleep(step.seconds)
@@ -319,6 +370,7 @@ class AsyncClient(_Api):
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         call = _ops.exec_stream(sandbox_id, req, self.config.timeout_s)
+        url = self.config.url
         lines = self._aio.lines(call) if self._aio is not None else self._httpx_lines(call)
         try:
             async for line in lines:
@@ -326,7 +378,8 @@ class AsyncClient(_Api):
                 if ev is not None:
                     yield ev
         except httpx.TransportError as e:
-            raise transport_error(e, self.config.url) from e
+            self._failed(url)
+            raise transport_error(e, url) from e
 
     async def _httpx_lines(self, call: Call[Any]) -> AsyncIterator[str]:
         async with self._http.stream(call.method, call.path, **_request_kwargs(call)) as r:
@@ -337,9 +390,10 @@ class AsyncClient(_Api):
                 yield line
 
     async def aclose(self) -> None:
-        if self._aio is not None:
-            await self._aio.close()
-        await self._http.aclose()
+        for http, aio in self._pools.values():
+            if aio is not None:
+                await aio.close()
+            await http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

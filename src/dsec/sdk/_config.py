@@ -3,6 +3,10 @@
 Order: explicit argument > ``DSEC_URL`` / ``DSEC_TOKEN`` > files written by ``dsec serve``
 under ``DSEC_HOME`` (``server.json`` with the URL, ``token`` with the local admin token)
 > ``http://127.0.0.1:7070``.
+
+Several API servers on one shared state (``dsec serve --state redis://...``): give them
+all, ``DSEC_URL=http://a:7070,http://b:7070`` or ``Client(url=[...])``; requests go to the
+first until it cannot be reached, then fail over to the next (``ClientConfig.urls``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.config import Settings, load_settings
+from dsec.errors import InvalidArgument
 
 SERVER_FILE = "server.json"
 TOKEN_FILE = "token"
@@ -20,7 +25,7 @@ TOKEN_FILE = "token"
 
 @dataclass(frozen=True)
 class ClientConfig:
-    url: str
+    url: str  # the server requests go to now (the first of ``urls`` until it fails)
     token: str | None
     retries: int
     backoff_s: float
@@ -29,6 +34,7 @@ class ClientConfig:
     max_connections: int
     max_keepalive: int
     keepalive_s: float
+    urls: tuple[str, ...] = ()  # every server to fail over between (empty = just ``url``)
 
 
 def read_server_file(home: Path) -> dict[str, object] | None:
@@ -45,7 +51,26 @@ def read_token_file(home: Path) -> str | None:
         return None
 
 
-def resolve_config(url: str | None = None, token: str | None = None, *, retries: int | None = None,
+def split_urls(url: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"http://a,http://b"`` or a list -> the servers, in order, without trailing slashes."""
+    parts = url.split(",") if isinstance(url, str) else list(url)
+    urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in parts if u and u.strip()))
+    if not urls:
+        raise InvalidArgument(f"no server URL in {url!r}: give one (http://HOST:PORT) or several, "
+                              "comma-separated (DSEC_URL=http://a:7070,http://b:7070)", field="url")
+    return urls
+
+
+def failover_url(cfg: ClientConfig, failed: str) -> str | None:
+    """Where requests go after one to ``failed`` could not be completed: the next server,
+    if ``failed`` is still the current one (many requests failing at once move on once,
+    not back and forth); None with a single server."""
+    if len(cfg.urls) < 2 or cfg.url != failed:
+        return None
+    return cfg.urls[(cfg.urls.index(failed) + 1) % len(cfg.urls)]
+
+
+def resolve_config(url: str | list[str] | None = None, token: str | None = None, *, retries: int | None = None,
                    timeout: float | None = None, settings: Settings | None = None) -> ClientConfig:
     s = settings or load_settings()
     home = Path(os.environ.get("DSEC_HOME", str(s.home)))
@@ -56,7 +81,8 @@ def resolve_config(url: str | None = None, token: str | None = None, *, retries:
         url = str(info["url"]) if info and "url" in info else f"http://{s.host}:{s.port}"
     if token is None:
         token = s.token or read_token_file(home)
-    return ClientConfig(url=url.rstrip("/"), token=token, retries=s.client_retries if retries is None else retries,
+    urls = split_urls(url)
+    return ClientConfig(url=urls[0], urls=urls, token=token, retries=s.client_retries if retries is None else retries,
                         backoff_s=s.client_backoff_s, backoff_max_s=s.client_backoff_max_s,
                         timeout_s=s.client_timeout_s if timeout is None else timeout,
                         max_connections=s.client_max_connections, max_keepalive=s.client_max_keepalive,
