@@ -127,7 +127,12 @@ def serve(work: Path, port: int, host_kind: str = "dir") -> None:
             node.manager.close()
 
     app = FastAPI(lifespan=lifespan)
-    app.state.services = SimpleNamespace(auth=TenantAuth(SqliteStateStore(work / "state.db")))
+    async def admit(tenant: object, spec: object) -> None:
+        return None  # the drill's own tenant and spec: no SandboxService to judge them
+
+    # The episodes router authenticates and has open's spec judged by services.sandboxes.
+    app.state.services = SimpleNamespace(auth=TenantAuth(SqliteStateStore(work / "state.db")),
+                                         sandboxes=SimpleNamespace(check_spec=admit))
     install_error_handlers(app, 0.2)
     include_episodes(app, engine)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
