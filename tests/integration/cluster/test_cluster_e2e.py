@@ -56,11 +56,14 @@ def _timed_execs(c: httpx.Client, sid: str, n: int) -> list[float]:
 
 
 def _measure(url: str, token: str, n: int = 100) -> dict[str, float]:
-    """exec round trip (p50/mean ms over n, after 10 warm-up) and create -> first exec (ms, median of 3)."""
+    """exec round trip (p50/mean ms over n, after 10 warm-up) and create -> first exec (ms, median of 5,
+    after 2 warm-up creates: the first create of a fresh server pays one-time costs)."""
     with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=120) as c:
+        for _ in range(2):
+            c.delete(f"/v1/sandboxes/{c.post('/v1/sandboxes', json=SHAPE).json()['id']}")
         firsts = []
         ids = []
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             info = c.post("/v1/sandboxes", json=SHAPE).json()
             r = c.post(f"/v1/sandboxes/{info['id']}/exec", json={"cmd": "echo hi"})
