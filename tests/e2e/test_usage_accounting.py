@@ -192,3 +192,26 @@ def test_prometheus_labels_are_bounded(userver: Server) -> None:
     values = {ln.split('"')[1] for ln in lines}
     assert "_other" in values and len(values) <= 3, values  # 2 distinct values + _other (+ none of runs[2:])
     assert not any(r in text for r in runs[2:]) and "task=" not in text
+
+
+@pytest.mark.gvisor
+def test_gvisor_cpu_seconds_match_its_cgroup(userver: Server) -> None:
+    """gVisor sandboxes are metered too: the node gives them a cpuacct cgroup, and the CPU
+    their runsc processes burnt (Sentry, gofer, ptrace stubs) is what is reported."""
+    import shutil
+
+    if shutil.which("runsc") is None:
+        pytest.skip("runsc not installed")
+    run = "g-" + uuid.uuid4().hex[:8]
+    with Client(userver.url, userver.token) as c:
+        sb = Sandbox.create(image="busybox", isolation="gvisor", cpu=1, memory="256M", labels={"run": run}, client=c)
+        try:
+            sb.exec("timeout 2 sh -c 'while :; do :; done'; true", timeout=30)
+            cpu_ns = _cgroup_int("cpuacct", sb.id, "cpuacct.usage")
+        finally:
+            sb.kill()
+        t = c.usage({"run": run}).totals
+    print(f"gvisor usage: cpu {t.cpu_seconds:.3f}s (cgroup {cpu_ns / 1e9:.3f}s), {t.memory_gb_seconds:.4f} GiB-s")
+    assert t.cpu_seconds > 0.2 and t.memory_gb_seconds > 0
+    # The reported figure also counts the few ms between this read and the kill.
+    assert _close(t.cpu_seconds, cpu_ns / 1e9, 0.1), (t.cpu_seconds, cpu_ns)
