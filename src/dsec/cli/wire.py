@@ -34,7 +34,8 @@ _DEFAULTS: dict[str, Any] = {"home": "/var/lib/dsec", "host": "127.0.0.1", "port
 
 @dataclass(frozen=True)
 class Target:
-    url: str
+    url: str  # the first server; ``urls`` has every one (DSEC_URL=http://a:7070,http://b:7070)
+    urls: tuple[str, ...]
     token: str | None
     home: Path
     timeout_s: float
@@ -84,7 +85,9 @@ def resolve_target(env: Mapping[str, str] | None = None) -> Target:
         except OSError:
             token = None
         source = str(home / "token") if token else "none"
-    return Target(url=str(url).rstrip("/"), token=token, home=home, timeout_s=s["client_timeout_s"],
+    # Several servers on one shared state, comma-separated: as dsec.sdk._config.split_urls.
+    urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in str(url).split(",") if u.strip())) or (str(url),)
+    return Target(url=urls[0], urls=urls, token=token, home=home, timeout_s=s["client_timeout_s"],
                   retries=s["client_retries"], backoff_s=s["client_backoff_s"],
                   backoff_max_s=s["client_backoff_max_s"], token_source=source)
 
@@ -98,19 +101,25 @@ def sid(sandbox_id: str) -> str:
 
 
 class Wire:
-    """One keep-alive connection to the API; JSON in, JSON out, ``dsec.errors`` on failure."""
+    """One keep-alive connection to the API; JSON in, JSON out, ``dsec.errors`` on failure.
+    With several servers, a request that could not be sent goes to the next one (creates
+    carry a request id, so a replayed one never makes two sandboxes)."""
 
     def __init__(self, target: Target | None = None) -> None:
         self.target = target or resolve_target()
-        u = urlsplit(self.target.url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise DSecError(f"DSEC_URL {self.target.url!r} is not an http(s) URL (e.g. http://127.0.0.1:7070)")
-        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-        self._conn = cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=self.target.timeout_s)
-        self._prefix = u.path.rstrip("/")
         self._headers = {"content-type": "application/json", "user-agent": "dsec-cli"}
         if self.target.token:
             self._headers["authorization"] = f"Bearer {self.target.token}"
+        self._connect(self.target.url)
+
+    def _connect(self, url: str) -> None:
+        u = urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise DSecError(f"DSEC_URL {url!r} is not an http(s) URL (e.g. http://127.0.0.1:7070)")
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        self.url = url
+        self._conn = cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=self.target.timeout_s)
+        self._prefix = u.path.rstrip("/")
 
     def close(self) -> None:
         self._conn.close()
@@ -123,6 +132,22 @@ class Wire:
 
     def _send(self, method: str, path: str, body: Any, params: list[tuple[str, str]] | None,
               timeout: float | None) -> http.client.HTTPResponse:
+        tried: dict[str, str] = {}  # url -> why it could not be reached
+        while True:
+            try:
+                return self._send_one(method, path, body, params, timeout)
+            except ServerUnreachable as e:
+                tried[self.url] = str(e.details.get("reason"))
+                rest = [u for u in self.target.urls if u not in tried]
+                if not rest:
+                    where = ", ".join(f"{u} ({why})" for u, why in tried.items())
+                    raise ServerUnreachable(f"no DSec server answers at {'' if len(tried) == 1 else 'any of '}"
+                                            f"{where}", url=self.url) from None
+                self._conn.close()
+                self._connect(rest[0])
+
+    def _send_one(self, method: str, path: str, body: Any, params: list[tuple[str, str]] | None,
+                  timeout: float | None) -> http.client.HTTPResponse:
         url = self._prefix + path + (("?" + urlencode(params)) if params else "")
         data = None if body is None else json.dumps(body).encode()
         self._conn.timeout = timeout or self.target.timeout_s
@@ -134,21 +159,21 @@ class Wire:
                 return self._conn.getresponse()
             except (ConnectionRefusedError, FileNotFoundError) as e:
                 self._conn.close()
-                raise ServerUnreachable(f"no DSec server answers at {self.target.url} ({e.strerror or e})",
-                                        url=self.target.url) from None
+                raise ServerUnreachable(f"no DSec server answers at {self.url}", url=self.url,
+                                        reason=e.strerror or str(e)) from None
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 # A kept-alive connection the server closed meanwhile: one fresh attempt.
                 self._conn.close()
                 if fresh:
-                    raise TransientError(f"connection to {self.target.url} failed: {e}", url=self.target.url) from None
+                    raise TransientError(f"connection to {self.url} failed: {e}", url=self.url) from None
             except TimeoutError:
                 self._conn.close()
-                raise TransientError(f"request to {self.target.url} timed out; retry or raise "
-                                     "DSEC_CLIENT_TIMEOUT_S", url=self.target.url) from None
+                raise TransientError(f"request to {self.url} timed out; retry or raise "
+                                     "DSEC_CLIENT_TIMEOUT_S", url=self.url) from None
             except OSError as e:
                 self._conn.close()
-                raise ServerUnreachable(f"cannot reach a DSec server at {self.target.url} ({e})",
-                                        url=self.target.url) from None
+                raise ServerUnreachable(f"cannot reach a DSec server at {self.url}", url=self.url,
+                                        reason=e.strerror or str(e)) from None
         raise AssertionError("unreachable")
 
     @staticmethod

@@ -35,6 +35,7 @@ CASES = [
     {"dsec_url": "http://lower.case:1"},  # pydantic-settings reads env case-insensitively
     {"CONFIG": 'url = "http://from.toml:5"\ntoken = "tok-toml"\nclient_timeout_s = 7\n'},
     {"CONFIG": 'url = "http://from.toml:5"\n', "DSEC_URL": "http://env.wins:6"},
+    {"DSEC_URL": "http://a:7070/, http://b:7070,http://a:7070"},  # several servers on one state
 ]
 
 
@@ -59,6 +60,7 @@ def test_target_matches_the_sdk(case: dict[str, str], tmp_path: Path, monkeypatc
     t = wire.resolve_target()
     assert (t.url, t.token, t.timeout_s, t.retries, t.backoff_s, t.backoff_max_s) == (
         sdk.url, sdk.token, sdk.timeout_s, sdk.retries, sdk.backoff_s, sdk.backoff_max_s)
+    assert t.urls == (getattr(sdk, "urls", None) or (sdk.url,))
 
 
 def test_defaults_match_settings() -> None:
@@ -105,3 +107,36 @@ def test_next_step_hints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert "ensure-stock --only python" in (next_step(NotFound("x", image="python")) or "")
     assert "ensure-stock --only busybox" in (next_step(NotFound("x", image="busybox:latest")) or "")
     assert next_step(NotFound("sandbox gone", sandbox_id="sb-1")) is None  # the message already says it
+
+
+def test_fails_over_to_the_next_server(tmp_path: Path) -> None:
+    """DSEC_URL with several servers: a request nobody answered at the first goes to the
+    next; when none answers, the error names every URL and why."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = b'[{"id": "sb-1"}]'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    dead, dead2 = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    try:
+        live = f"http://127.0.0.1:{srv.server_address[1]}"
+        env = {"DSEC_HOME": str(tmp_path), "DSEC_URL": f"{dead},{live}"}
+        with wire.Wire(wire.resolve_target(env)) as w:
+            assert w.call("GET", "/v1/sandboxes") == [{"id": "sb-1"}] and w.url == live
+    finally:
+        srv.shutdown()
+    with wire.Wire(wire.resolve_target({"DSEC_HOME": str(tmp_path), "DSEC_URL": f"{dead},{dead2}"})) as w:
+        with pytest.raises(wire.ServerUnreachable) as e:
+            w.call("GET", "/v1/sandboxes")
+    assert f"any of {dead} (Connection refused), {dead2} (Connection refused)" in e.value.message
