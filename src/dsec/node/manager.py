@@ -10,6 +10,7 @@ can adopt what is healthy and clean the rest, and then sweeps orphans nobody rec
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -349,10 +350,10 @@ class SandboxManager:
                                                                   for ip in ips]) + "\n").encode()
                 try:
                     lowers = self._lowers.get(sandbox_id) or rs.lower_dirs_of(p.rootfs)
-                    times = await asyncio.to_thread(
+                    times = await asyncio.get_running_loop().run_in_executor(rs.executor(), functools.partial(
                         rs.reset_container, sandbox_id=sandbox_id, init_pid=info.pid, rootfs=p.rootfs,
                         scratch=p.scratch, lower_dirs=lowers, disk=info.disk, workdir=rec.workdir, hosts=hosts,
-                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids))
+                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids)))
                     log.debug("reset %s in place: %s", sandbox_id, times)
                     done = True
                 except (rs.ResetError, OSError) as e:

@@ -13,10 +13,11 @@ What a sandbox can leave behind, and how each is undone without restarting it:
   but the standard device nodes and links is removed, and those are re-made;
 - SysV IPC objects (shm segments, semaphores, message queues) of its IPC namespace: removed.
 
-The namespace work runs on a dedicated OS thread that first unshares its fs_struct
-(``unshare(CLONE_FS)``): only then may one thread of a multi-threaded process
-``setns`` into another mount namespace. The thread ends afterwards, so no pooled
-worker thread is ever left inside a sandbox's namespaces.
+The namespace work runs on dedicated reset worker threads that first unshare their
+fs_struct (``unshare(CLONE_FS)``): only then may one thread of a multi-threaded process
+``setns`` into another mount namespace. They go back to the host's namespaces after
+every reset and run nothing else, so no general worker thread is ever inside a
+sandbox's namespaces.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dsec.node import cgroups, syscalls
@@ -246,17 +248,21 @@ def prepare_root(root: Path, workdir: str, hosts: bytes | None) -> None:
         (fs or SandboxFS(str(root))).write("/etc/hosts", hosts)
 
 
-def _swap_root_in_namespace(init_pid: int, tree_fd: int, out: list[BaseException | int]) -> None:
-    """Runs on its own thread: enter the sandbox's mount and IPC namespaces and make the
-    detached mount ``tree_fd`` its root. The thread exits right after."""
+def _enter(init_pid: int) -> None:
+    for ns, flag in (("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS)):
+        fd = os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _sys(SYS_SETNS, fd, flag)
+        finally:
+            os.close(fd)
+
+
+def _swap_root_in_namespace(init_pid: int, tree_fd: int) -> int:
+    """On a reset worker thread: enter the sandbox's mount and IPC namespaces, make the
+    detached mount ``tree_fd`` its root, clean /dev and SysV IPC; then go back to the
+    host's namespaces. Returns the IPC objects removed."""
+    _enter(init_pid)
     try:
-        _sys(SYS_UNSHARE, CLONE_FS)
-        for ns, flag in (("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS)):
-            fd = os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _sys(SYS_SETNS, fd, flag)
-            finally:
-                os.close(fd)
         # root and cwd are now the sandbox's "/" (the old overlay)
         removed_ipc = clean_sysv_ipc()
         clean_dev("/dev")
@@ -268,16 +274,65 @@ def _swap_root_in_namespace(init_pid: int, tree_fd: int, out: list[BaseException
         os.chdir(stage)
         _sys(SYS_PIVOT_ROOT, b".", b".")
         syscalls.umount(".", syscalls.MNT_DETACH)  # the old root, stacked on top of the new one
-        os.chdir("/")
-        out.append(removed_ipc)
-    except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
-        out.append(e)
+        return removed_ipc
+    finally:
+        _leave()
+
+
+# --- the reset workers ----------------------------------------------------------------
+# Threads that only ever run resets: each unshares its fs_struct once (so it alone may
+# setns into a sandbox's mount namespace) and returns to the host's namespaces after every
+# reset. One hop from the event loop, no thread start per reset. A worker that cannot get
+# back is retired with its executor (its thread ends after that task); a new one serves.
+
+_HOST_NS: dict[str, int] = {}
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _host_ns() -> dict[str, int]:
+    if not _HOST_NS:
+        for ns in ("ipc", "mnt"):
+            _HOST_NS[ns] = os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
+    return _HOST_NS
+
+
+def _worker_init() -> None:
+    _sys(SYS_UNSHARE, CLONE_FS)
+
+
+def _leave() -> None:
+    try:
+        fds = _host_ns()
+        _sys(SYS_SETNS, fds["mnt"], CLONE_NEWNS)  # root and cwd: the host's "/"
+        _sys(SYS_SETNS, fds["ipc"], CLONE_NEWIPC)
+    except OSError:
+        _retire_executor()
+        raise
+
+
+def _retire_executor() -> None:
+    global _executor
+    with _executor_lock:
+        old, _executor = _executor, None
+    if old is not None:
+        old.shutdown(wait=False)
+
+
+def executor(workers: int = 2) -> ThreadPoolExecutor:
+    """The reset workers (created on first use)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _host_ns()
+            _executor = ThreadPoolExecutor(workers, thread_name_prefix="dsec-reset", initializer=_worker_init)
+        return _executor
 
 
 def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, lower_dirs: list[str],
                     disk: int, workdir: str, hosts: bytes | None, cgroup_parent: str,
                     limits: tuple[int, float, int], kill_timeout: float = 5.0) -> dict[str, float]:
-    """Blocking (call from a worker thread). Returns per-step timings in ms.
+    """Blocking; runs on a reset worker (``executor()``). Returns per-step timings in ms.
 
     The new writable layer lives on a new scratch tmpfs (same size: the disk quota), so
     dropping the old one is one lazy unmount, however many files the sandbox wrote.
@@ -305,15 +360,13 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
         prepare_root(nroot, workdir, hosts)
         tree_fd = _sys(SYS_OPEN_TREE, AT_FDCWD, str(nroot).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
         lap("mount")
-        out: list[BaseException | int] = []
-        th = threading.Thread(target=_swap_root_in_namespace, args=(init_pid, tree_fd, out),
-                              name=f"dsec-reset-{sandbox_id}", daemon=True)
-        th.start()
-        restore_limits(cgroup_parent, sandbox_id, *limits)  # meanwhile, on this thread
-        th.join()
-        if not out or isinstance(out[0], BaseException):
-            err = out[0] if out else RuntimeError("namespace thread died")
-            raise ResetError(f"sandbox {sandbox_id}: root swap failed: {err}")
+        if not threading.current_thread().name.startswith("dsec-reset"):
+            raise ResetError("reset_container runs on the reset workers (dsec.node.reset.executor())")
+        try:
+            _swap_root_in_namespace(init_pid, tree_fd)
+        except OSError as e:
+            raise ResetError(f"sandbox {sandbox_id}: root swap failed: {e}") from e
+        restore_limits(cgroup_parent, sandbox_id, *limits)
     except BaseException:
         for d in (nroot, nscratch):
             with contextlib.suppress(OSError):
