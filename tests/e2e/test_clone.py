@@ -179,3 +179,28 @@ def test_async_clone_and_refusals(server: Server) -> None:
             assert {i.id for i in Client(server.url, server.token).list()} <= before
         finally:
             admin.delete(f"/v1/tenants/{name}")
+
+
+def test_clone_of_a_clone_outlives_its_parent_and_leaves_nothing(server: Server) -> None:
+    """A clone of a clone sees both generations' files; clones keep working after their
+    parent is killed (the frozen layers live while a mount uses them); once every user is
+    gone no frozen layer is left on the node; a parent with nothing new since its last
+    clone reuses that layer (no new freeze)."""
+    layers = server.home / "clones"
+    with Client(server.url, server.token) as c:
+        p = Sandbox.create(client=c, **SHAPE)
+        p.exec("echo gen0 > /g0")
+        (a,) = p.clone()
+        (a2,) = p.clone()  # nothing written in between
+        assert _clone_audit(c, p.id)["mode"] == "reused"
+        a.exec("echo gen1 > /g1")
+        (b,) = a.clone()
+        p.kill()
+        assert b.exec("cat /g0 /g1").stdout == "gen0\ngen1\n"
+        assert a2.exec("cat /g0; test -e /g1 || echo no-g1").stdout == "gen0\nno-g1\n"
+        b.exec("echo gen2 > /g0")
+        assert a.exec("cat /g0").stdout == "gen0\n"
+        assert len(list(layers.iterdir())) >= 2
+        for x in (a, a2, b):
+            x.kill()
+    assert list(layers.iterdir()) == []
