@@ -44,11 +44,13 @@ def connect_router(settings: Settings) -> Any:
 def build_cluster(settings: Settings) -> Any:
     """Services for ``dsec serve --cluster``: state here, sandboxes on the cluster's nodes."""
     from dsec.api.services import Services
-    from dsec.state.sqlite import SqliteStateStore
+    from dsec.state import state_for
 
     settings.home.mkdir(parents=True, exist_ok=True)
     router = connect_router(settings)
-    services = Services.build(settings, router, SqliteStateStore(settings.home / "state.db"), images=None)
+    # As on one machine: SQLite under HOME, or the Redis every API server shares (--state).
+    state = state_for(settings.state_url, settings.home, settings.api_retry_after_s, settings.state_timeout_s)
+    services = Services.build(settings, router, state, images=None)
     if settings.api_scheduler:
         services.attach_scheduler(scheduler(settings, router))
     return services
