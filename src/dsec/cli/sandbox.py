@@ -138,10 +138,10 @@ def register(app: typer.Typer) -> None:
             print_json(infos)
             return
         rows = [(i["id"], i["state"], i["image"], human_age(i["created_at"]), f"{i['cpu']:g}",
-                 human_bytes(i["memory"]), i["isolation"],
+                 human_bytes(i["memory"]), i["isolation"], i.get("node") or "-",
                  ",".join(f"{k}={v}" for k, v in sorted((i.get("labels") or {}).items())))
                 for i in sorted(infos, key=lambda x: x["created_at"])]
-        print(_columns(("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "LABELS"), rows))
+        print(_columns(("ID", "STATE", "IMAGE", "AGE", "CPU", "MEM", "ISOLATION", "NODE", "LABELS"), rows))
         note(f"{len(infos)} sandbox(es)")
 
     @app.command()
