@@ -307,6 +307,9 @@ class Settings(BaseSettings):
                                              "later values share the series '_other' (bounded cardinality)")
     usage_query_max_sandboxes: int = Field(1000, ge=1, description="Most per-sandbox rows one usage query lists")
     clone_max: int = Field(64, ge=1, description="Most clones one sb.clone(n) call may make")
+    group_max: int = Field(256, ge=1, description="Most sandboxes one create_group call may ask for")
+    group_wait_s: float = Field(30.0, gt=0, description="Default deadline to admit a whole group (then 429)")
+    group_poll_s: float = Field(0.05, gt=0, description="How often a group at the head of the queue re-checks room")
 
     # --- state / cluster --------------------------------------------------------------
     state_url: str = Field("", description="Shared state store: redis://HOST:PORT/DB (several API servers "

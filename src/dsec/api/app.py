@@ -134,6 +134,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     from dsec.api.routes_clone import router as clone_router
 
     app.include_router(clone_router)  # POST /v1/sandboxes/{id}/clone (issue 16)
+    from dsec.api.routes_groups import router as groups_router
+
+    app.include_router(groups_router)  # POST /v1/groups: gang admission (issue 16)
     # E2B SDK front ends (/e2b REST, /e2b/envd): the same SandboxService underneath.
     app.state.e2b = install_e2b(app, services)
     # SandboxFusion front end (/fusion/<key>/run_code, /v1/ping): pooled reset-able sandboxes.
@@ -148,6 +151,9 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
         from dsec.blobs import open_checkpoint_store
         from dsec.checkpoints.sandbox_ckpt import SandboxCheckpoints
         app.state.episodes = install_episodes(app, services)
+        from dsec.api.routes_fork import router as fork_router
+
+        app.include_router(fork_router)  # POST /v1/episodes/{id}/fork (issue 16)
         app.state.checkpoints = SandboxCheckpoints(services.settings, open_checkpoint_store(services.settings),
                                                    services.node)
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a

@@ -491,6 +491,27 @@ class EpisodeEngine:
             m = await self._write_unit(live, "checkpoint")
         return self._ref(m)
 
+    async def fork(self, episode_id: str, new_id: str, epoch: int | None = None) -> EpisodeInfo:
+        """Branch an open episode: ``new_id`` starts where this one is now. A checkpoint unit
+        of it is written (an owner's write: fenced by ``epoch``), committed again as unit 0
+        of ``new_id`` (its parts are content-addressed: shared, not copied; garbage
+        collection sees them referenced by both), and ``new_id`` is opened from it like a
+        resume: its log is this episode's history, its sandbox holds these files. The two
+        diverge from here."""
+        check_episode_id(new_id)
+        if new_id == episode_id or new_id in self._live or \
+                await asyncio.to_thread(list_unit_keys, self.store, new_id):
+            raise errors.Conflict("the fork's episode id exists already: fork into a new id")
+        live = self._get(episode_id)
+        async with live.lock:
+            self._fence(live, epoch)
+            await self._ensure_sandbox(live)
+            meta = await self._write_unit(live, "checkpoint")
+        child = meta.model_copy(update={"episode_id": new_id, "seq": 0, "epoch": 0, "created_at": time.time(),
+                                        "meta": {**meta.meta, "_forked_from": episode_id}})
+        await asyncio.to_thread(commit_unit, self.store, child)
+        return await self.open(new_id)
+
     async def _ensure_sandbox(self, live: _Live) -> None:
         if live.dirty or live.sandbox_id is None:
             await self._replace_sandbox(live)

@@ -77,6 +77,12 @@ def checkpoint(episode_id: str, epoch: int, weights_ref: str | None, meta: dict[
                 json={"weights_ref": weights_ref, "meta": meta or {}}, headers=_owner(epoch), idempotent=True)
 
 
+def fork(episode_id: str, epoch: int, new_id: str | None) -> Call[EpisodeInfo]:
+    # Not resent: a fork that reached the server made the new episode already.
+    return Call("POST", f"{_p(episode_id)}/fork", lambda r: EpisodeInfo.model_validate_json(r.content),
+                json={"new_id": new_id}, headers=_owner(epoch))
+
+
 def info(episode_id: str) -> Call[EpisodeInfo]:
     return Call("GET", _p(episode_id), lambda r: EpisodeInfo.model_validate_json(r.content), idempotent=True)
 

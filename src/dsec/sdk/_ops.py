@@ -5,6 +5,7 @@ Shared by the sync and async clients; the only place that knows URLs and payload
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 from urllib.parse import quote
@@ -112,6 +113,15 @@ def set_usage_quota(label: str, max_sandboxes: int | None = None, max_cpu_second
 
 def delete_usage_quota(label: str) -> Call[None]:
     return Call("DELETE", "/v1/usage/quotas", _none, params=[("label", label)], idempotent=True)
+
+
+def create_group(spec: SandboxSpec, n: int, wait_s: float | None = None) -> Call[list[SandboxInfo]]:
+    # Not resent after a transport error: the server may have admitted the group already.
+    body: dict[str, Any] = {"n": n, "spec": spec.model_dump(mode="json", exclude_none=True)}
+    if wait_s is not None:
+        body["wait_s"] = wait_s
+    return Call("POST", "/v1/groups", lambda r: _infos.validate_python(json.loads(r.content)["sandboxes"]),
+                json=body, timeout=(wait_s or 30.0) + 120.0)
 
 
 def clone(sandbox_id: str, n: int = 1) -> Call[list[SandboxInfo]]:

@@ -138,6 +138,15 @@ class Sandbox(_SandboxOps):
         return c._run(_ops.create(s).map(lambda info: cls(info, c)))
 
     @classmethod
+    def create_group(cls, n: int, image: str = "busybox", *, client: Client | None = None,
+                     wait_s: float | None = None, **spec: Any) -> list[Sandbox]:
+        """``n`` sandboxes of one spec admitted as a gang: all within ``wait_s`` (server
+        default 30 s), or none (429 ``Overloaded`` with the group's queue position and ETA)."""
+        c = client or Client.default()
+        s = build_spec(image=image, **spec)
+        return c._run(_ops.create_group(s, n, wait_s).map(lambda infos: [cls(i, c) for i in infos]))
+
+    @classmethod
     def connect(cls, sandbox_id: str, *, client: Client | None = None) -> Sandbox:
         c = client or Client.default()
         return c._run(_ops.get(sandbox_id).map(lambda info: cls(info, c)))
@@ -176,6 +185,14 @@ class AsyncSandbox(_SandboxOps):
         c = client or AsyncClient.default()
         s = build_spec(image=image, **spec)
         return c._run(_ops.create(s).map(lambda info: cls(info, c)))
+
+    @classmethod
+    def create_group(cls, n: int, image: str = "busybox", *, client: AsyncClient | None = None,
+                     wait_s: float | None = None, **spec: Any) -> Any:
+        """``await AsyncSandbox.create_group(8, image=...)``: all n admitted, or none."""
+        c = client or AsyncClient.default()
+        s = build_spec(image=image, **spec)
+        return c._run(_ops.create_group(s, n, wait_s).map(lambda infos: [cls(i, c) for i in infos]))
 
     @classmethod
     def connect(cls, sandbox_id: str, *, client: AsyncClient | None = None) -> Any:

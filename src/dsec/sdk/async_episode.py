@@ -42,6 +42,12 @@ class AsyncEpisode(ops.EpisodeHandle):
     async def checkpoint(self, weights_ref: str | None = None, meta: dict[str, Any] | None = None) -> CheckpointRef:
         return await self._c._run(ops.checkpoint(self.id, self.epoch, weights_ref, meta))
 
+    async def fork(self, new_id: str | None = None) -> AsyncEpisode:
+        """``await ep.fork()``: see ``Episode.fork``."""
+        child = AsyncEpisode(await self._c._run(ops.fork(self.id, self.epoch, new_id)), self._c)
+        child._next = child.info.steps
+        return child
+
     async def refresh(self) -> EpisodeInfo:
         return await self._c._run(ops.info(self.id))
 

@@ -52,6 +52,14 @@ class Episode(ops.EpisodeHandle):
     def checkpoint(self, weights_ref: str | None = None, meta: dict[str, Any] | None = None) -> CheckpointRef:
         return self._c._run(ops.checkpoint(self.id, self.epoch, weights_ref, meta))
 
+    def fork(self, new_id: str | None = None) -> Episode:
+        """Branch: a new episode (owned by the returned handle) whose log is this one's
+        history and whose sandbox holds this one's files as they are now; its next
+        ``exec`` is the step after this one's last."""
+        child = Episode(self._c._run(ops.fork(self.id, self.epoch, new_id)), self._c)
+        child._next = child.info.steps
+        return child
+
     def refresh(self) -> EpisodeInfo:
         """Re-read the episode's server-side state (steps logged, current epoch, sandbox)."""
         return self._c._run(ops.info(self.id))
