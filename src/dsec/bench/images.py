@@ -10,12 +10,17 @@
 
 Run: ``python -m dsec.bench.images [REPORT_DIR]`` (root; needs the python stock image,
 which ``dsec image ensure-stock`` builds).
+
+Registry pull (``run_pull``; ``dsec bench images-pull`` or ``python -m dsec.bench.images
+pull [REPORT_DIR]``): python image pushed to a local docker-registry, then pulled into an
+empty store vs ``skopeo copy docker://... oci:...`` of the same image, alternated, best of 3.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -163,5 +168,129 @@ def run(report_dir: Path | str = "bench-reports", rounds: int = 3, prepares: int
     return result
 
 
+# --- registry pull (issue 12) --------------------------------------------------------------
+
+class _LocalRegistry:
+    """The CNCF distribution registry (Debian ``docker-registry``) on a free loopback
+    port with its own storage under ``work``; stopped by PID."""
+
+    def __init__(self, work: Path) -> None:
+        import socket
+
+        import httpx
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.host = f"127.0.0.1:{port}"
+        cfg = {"version": 0.1, "log": {"level": "warn", "accesslog": {"disabled": True}},
+               "storage": {"filesystem": {"rootdirectory": str(work / "registry")}},
+               "http": {"addr": self.host, "secret": os.urandom(8).hex()}}
+        (work / "registry.yml").write_text(yaml.safe_dump(cfg))
+        self._log = open(work / "registry.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(["docker-registry", "serve", str(work / "registry.yml")],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                httpx.get(f"http://{self.host}/v2/", timeout=1)
+                return
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("docker-registry did not start: "
+                                       + (work / "registry.log").read_text()[-1000:]) from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _pull_ours(ref: str, work: Path, unpack: bool) -> tuple[float, float]:
+    from dsec.images.registry_ops import pull
+
+    home = Path(tempfile.mkdtemp(dir=work, prefix="pull-"))
+    st = _store(home)  # an empty DSEC image store
+    os.sync()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    pull(st, ref, unpack=unpack)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)  # nothing else runs in this process meanwhile
+    return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def _pull_skopeo(ref: str, work: Path) -> tuple[float, float]:
+    dest = Path(tempfile.mkdtemp(dir=work, prefix="skopeo-"))
+    os.sync()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false", f"docker://{ref}", f"oci:{dest}:bench"],
+                   check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def run_pull(report_dir: Path | str = "bench-reports", rounds: int = 3) -> dict:
+    """Pull of the python image from a local registry into an empty DSEC store vs
+    ``skopeo copy docker://... oci:...`` of the same image, alternated, best of N.
+    Also: our push time, and pull + unpack (ready for a sandbox) as a separate figure."""
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    s = get_settings()
+    src = ImageStore(s.home / "images", s)
+    ensure_stock(src, ["python"], log=lambda m: print(m, file=sys.stderr))
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-pull-", dir=s.home))
+    reg = _LocalRegistry(work)
+    try:
+        from dsec.images.registry_ops import push
+
+        ref = f"{reg.host}/bench/python:latest"
+        t0 = time.perf_counter()
+        push(src, "python", ref)
+        push_s = time.perf_counter() - t0
+        _pull_ours(ref, work, False)  # warm-up: imports, TLS context (a node agent is long-lived)
+        ours, skopeo, ours_cpu, skopeo_cpu, unpacked = [], [], [], [], []
+        for r in range(rounds):  # alternate who goes first
+            order = [("ours", lambda: _pull_ours(ref, work, False)), ("skopeo", lambda: _pull_skopeo(ref, work))]
+            for name, fn in (order if r % 2 == 0 else order[::-1]):
+                time.sleep(1)
+                wall, cpu = fn()
+                (ours if name == "ours" else skopeo).append(wall)
+                (ours_cpu if name == "ours" else skopeo_cpu).append(cpu)
+        for _ in range(max(1, rounds // 2)):
+            unpacked.append(_pull_ours(ref, work, True)[0])
+        info = src.resolve("python")
+        result = {
+            "image_bytes": info.size, "layers": len(info.layers), "registry": "docker-registry (CNCF distribution)",
+            "push_s": push_s,
+            "pull": {"ours_s": min(ours), "skopeo_copy_s": min(skopeo), "ours_all": ours, "skopeo_all": skopeo,
+                     "ratio_ours_vs_skopeo": min(ours) / min(skopeo),
+                     "ratio_median": statistics.median(ours) / statistics.median(skopeo),
+                     "ours_MiB_s": info.size / min(ours) / 2**20,
+                     "ours_cpu_s_median": statistics.median(ours_cpu),
+                     "skopeo_cpu_s_median": statistics.median(skopeo_cpu),
+                     "ratio_cpu_median": statistics.median(ours_cpu) / statistics.median(skopeo_cpu)},
+            "pull_and_unpack_s": min(unpacked),
+            "concurrency": s.image_max_concurrent_pulls,
+            "load_avg_1m": os.getloadavg()[0],
+            "notes": "ours: blobs fsynced + digest-verified before rename, image registered (no unpack); "
+                     "skopeo: copy into an OCI layout dir (no fsync). pull_and_unpack_s: ours until every "
+                     "layer is unpacked and sealed (ready for a sandbox).",
+        }
+    finally:
+        reg.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    (report_dir / "images-pull.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "bench-reports"), indent=2))
+    if len(sys.argv) > 1 and sys.argv[1] == "pull":
+        print(json.dumps(run_pull(sys.argv[2] if len(sys.argv) > 2 else "bench-reports"), indent=2))
+    else:
+        print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "bench-reports"), indent=2))

@@ -50,6 +50,14 @@ def images(out: Path = typer.Option(Path("reports"), help="report directory")) -
     _emit(run(out), out, "images-bench")
 
 
+@app.command("images-pull")
+def images_pull(rounds: int = typer.Option(3, help="alternated rounds (best and median reported)"),
+                out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """Pull of the python image from a local registry into an empty store vs skopeo copy."""
+    from dsec.bench.images import run_pull
+    _emit(run_pull(out, rounds=rounds), out, "images-pull-bench")
+
+
 @app.command("exec-agent")
 def exec_agent(calls: int = typer.Option(2000, help="round trips")) -> None:
     """The in-sandbox exec agent's round trip vs fork+exec of the same command."""

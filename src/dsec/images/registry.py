@@ -169,6 +169,25 @@ def error_text(resp: httpx.Response) -> str:
 
 # --- the client -----------------------------------------------------------------------
 
+_SSL_CONTEXTS: dict[str, ssl.SSLContext] = {}
+_SSL_LOCK = threading.Lock()
+
+
+def _ssl_context(ca_file: Path | None) -> ssl.SSLContext:
+    """System roots (+ ca_file), built once per process: loading the system bundle costs
+    ~0.1 s, which a node pulling image after image should pay once."""
+    key = str(ca_file or "")
+    with _SSL_LOCK:
+        ctx = _SSL_CONTEXTS.get(key)
+        if ctx is None:
+            ctx = ssl.create_default_context()
+            if ca_file is not None:
+                ctx.load_verify_locations(cafile=str(ca_file))
+            _SSL_CONTEXTS[key] = ctx
+        return ctx
+
+
+
 class RegistryClient:
     """One registry (HOST[:PORT]); thread-safe (one httpx pool, token cache under a lock)."""
 
@@ -178,12 +197,7 @@ class RegistryClient:
         self.registry = registry
         self.insecure = insecure
         self._creds = (username, password or "") if username else None
-        if insecure:
-            verify: bool | ssl.SSLContext = False
-        else:
-            verify = ssl.create_default_context()
-            if ca_file is not None:
-                verify.load_verify_locations(cafile=str(ca_file))
+        verify: bool | ssl.SSLContext = False if insecure else _ssl_context(ca_file)
         self._http = httpx.Client(verify=verify, timeout=httpx.Timeout(timeout_s),
                                   limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
                                   follow_redirects=True, headers={"User-Agent": "dsec-registry-client"})

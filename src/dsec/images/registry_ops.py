@@ -77,7 +77,9 @@ def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: s
             return False
         with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
             got = 0
-            for chunk in r.iter_bytes(1 << 20):
+            # Raw bytes as received (we asked for identity encoding): no re-chunking copies.
+            raw = r.headers.get("content-encoding", "identity") in ("", "identity")
+            for chunk in (r.iter_raw() if raw else r.iter_bytes()):
                 got += len(chunk)
                 if got > size:
                     raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
