@@ -30,7 +30,7 @@ SHAPE = {"image": "busybox", "cpu": 0.25, "memory": "128M", "disk": "64M"}
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
     assert r.returncode == 0, f"dsec {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r
 
@@ -93,10 +93,32 @@ def _leftovers(tag: str) -> list[str]:
     return found
 
 
+def _import_only_on(node_home: Path, tmp: Path, name: str) -> None:
+    """An image with its own layer (static busybox + a marker file) into ONE node's store."""
+    import tarfile
+
+    from dsec.config import Settings
+    from dsec.images import ImageStore
+    from dsec.images.craft import CraftedImage, Entry, layer_tar, tar_dir, write_oci_layout
+
+    layer = layer_tar([Entry("bin", type=tarfile.DIRTYPE, mode=0o755),
+                       Entry("bin/busybox", Path("/bin/busybox").read_bytes(), mode=0o755),
+                       Entry("bin/sh", type=tarfile.SYMTYPE, linkname="busybox", mode=0o777),
+                       Entry("bin/cat", type=tarfile.SYMTYPE, linkname="busybox", mode=0o777),
+                       Entry("tmp", type=tarfile.DIRTYPE, mode=0o1777),
+                       Entry("work", type=tarfile.DIRTYPE, mode=0o755),
+                       Entry("marker", f"{name}\n".encode())])
+    write_oci_layout(tmp / "layout", CraftedImage([layer], compression="gzip"))
+    tar_dir(tmp / "layout", tmp / "img.tar")
+    ImageStore(node_home / "images", Settings(home=node_home)).import_archive(tmp / "img.tar", name=name)
+
+
 def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Path) -> None:
     """Three real nodes: node ls shows them ready with busybox; sandboxes created through
     `dsec serve --cluster` land on more than one node and name it; exec and files work on
-    every node; the exec round trip is measured against a single-node server."""
+    every node; an image held only by node n1 places its sandboxes on n1 (a create on
+    another node would fail: the image is not there); the exec round trip is measured
+    against a single-node server."""
     from dsec.api.launch import start_serve
 
     addr = cluster["address"]
@@ -106,6 +128,8 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
     assert all(r["state"] == "ready" and "busybox:latest" in r["images"] and r["agent_pid"] for r in rows), rows
     assert len({r["agent_pid"] for r in rows}) == 3 and len({r["address"] for r in rows}) == 3
 
+    (tmp_path / "img").mkdir()
+    _import_only_on(Path(cluster["dir"]) / "n1", tmp_path / "img", "onlyb")
     srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": addr}, timeout=240)
     try:
         with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=120) as c:
@@ -122,6 +146,12 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
             assert listed == {i["id"]: i["node"] for i in infos}
             for i in infos:
                 assert c.delete(f"/v1/sandboxes/{i['id']}").status_code == 204
+            only = [c.post("/v1/sandboxes", json={**SHAPE, "image": "onlyb"}).json() for _ in range(3)]
+            assert [o.get("node") for o in only] == ["n1"] * 3, only
+            r = c.post(f"/v1/sandboxes/{only[0]['id']}/exec", json={"cmd": "cat /marker"}).json()
+            assert r["stdout"] == "onlyb\n", r
+            for o in only:
+                assert c.delete(f"/v1/sandboxes/{o['id']}").status_code == 204
         cluster_fig = _measure(srv.url, srv.token)
     finally:
         srv.proc.terminate()
