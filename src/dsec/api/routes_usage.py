@@ -64,6 +64,8 @@ def install_usage(app: FastAPI, services: Any) -> UsageLedger | None:
     settings = services.settings
     if not settings.usage_enabled:
         return None
+    if services.sandboxes.usage is not None:  # a second app over the same services: one ledger
+        return services.sandboxes.usage  # type: ignore[no-any-return]
     manager = getattr(services.node, "manager", None)
     from dsec.node.manager import CGROUP_PARENT
 
