@@ -151,11 +151,19 @@ class StateSchemaMismatch(DSecError):
     code = "state_schema_mismatch"
 
 
+class NodeLost(DSecError):
+    """The node that holds the sandbox does not answer (machine, raylet or agent gone):
+    the sandbox is unreachable; create a new one or restore a checkpoint."""
+
+    code = "node_lost"
+    http_status = 410
+
+
 ALL_ERRORS: tuple[type[DSecError], ...] = (
     DSecError, InvalidArgument, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
     QuotaExceeded, CapacityExhausted, Overloaded, Timeout, SandboxFailure, ImageError,
     DigestMismatch, UnsafeLayer, BuildFailed, CheckpointError, ReplayDiverged, StorageFull,
-    TransientError, EpisodeFenced, StateUnavailable, StateSchemaMismatch,
+    TransientError, EpisodeFenced, StateUnavailable, StateSchemaMismatch, NodeLost,
 )
 
 ERRORS_BY_CODE: dict[str, type[DSecError]] = {cls.code: cls for cls in ALL_ERRORS}

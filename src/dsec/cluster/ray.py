@@ -140,11 +140,15 @@ class NodeAgentServer:
         if method not in NODE_METHODS:
             return NodeCallError(cls="InvalidArgument", message=f"{method!r} is not a NodeAgent method")
         try:
+            if not self._started:  # Ray restarted this actor after a crash: reconcile first
+                await self.start()
             return await getattr(self.agent, method)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a value
             return NodeCallError.of(e)
 
     async def stream_open(self, sandbox_id: str, req: ExecRequest) -> str:
+        if not self._started:
+            await self.start()
         sid = secrets.token_hex(8)
         q: asyncio.Queue[ExecEvent | NodeCallError | None] = asyncio.Queue(maxsize=256)
 
@@ -281,20 +285,38 @@ class RayNodeProxy:
     async def start(self) -> None:
         """Start the remote agent (reconcile there) and cache its capacity."""
         try:
-            self._capacity = await asyncio.wait_for(self.handle.start.remote(), self.control_timeout_s)
+            self._capacity = await asyncio.wait_for(self._await(self.handle.start.remote()), self.control_timeout_s)
         except TimeoutError:
             raise errors.Timeout(f"node {self.node_id}: its agent did not start within "
                                  f"{self.control_timeout_s:g}s", node=self.node_id) from None
+
+    async def _await(self, ref: Any) -> Any:
+        """One actor round trip; Ray's failures become DSec errors: a node (or agent) that
+        is gone is NodeLost (410), never a hang or an internal error."""
+        import ray.exceptions as rx
+
+        try:
+            return await ref
+        except (rx.RayActorError, rx.ActorUnavailableError, rx.NodeDiedError, rx.LocalRayletDiedError,
+                rx.ActorUnschedulableError) as e:
+            raise errors.NodeLost(f"node {self.node_id} does not answer ({type(e).__name__}): its sandboxes are "
+                                  "unreachable now; retry, create a new sandbox or restore a checkpoint",
+                                  node=self.node_id) from None
+        except rx.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, errors.DSecError):
+                raise NodeCallError.of(cause).error() from None
+            raise errors.SandboxFailure(f"node {self.node_id}: agent error: {cause or e}", node=self.node_id) from None
 
     async def close(self) -> None:
         """Nothing to do here: the agent is detached and keeps serving other callers."""
 
     async def shutdown(self) -> None:
         """Stop the remote agent's loops (``dsec cluster down``); sandboxes are not destroyed."""
-        await self.handle.close.remote()
+        await self._await(self.handle.close.remote())
 
     async def agent_pid(self) -> int:
-        return int(await self.handle.pid.remote())
+        return int(await self._await(self.handle.pid.remote()))
 
     def capacity(self) -> NodeCapacity:
         if self._capacity is None:
@@ -302,17 +324,17 @@ class RayNodeProxy:
         return self._capacity
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        out = await self.handle.call.remote(method, args, kwargs)
+        out = await self._await(self.handle.call.remote(method, args, kwargs))
         if isinstance(out, NodeCallError):
             raise out.error()
         return out
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
-        sid = await self.handle.stream_open.remote(sandbox_id, req)
+        sid = await self._await(self.handle.stream_open.remote(sandbox_id, req))
         done = False
         try:
             while not done:
-                for item in await self.handle.stream_next.remote(sid):
+                for item in await self._await(self.handle.stream_next.remote(sid)):
                     if item is None:
                         done = True
                         break
