@@ -163,6 +163,7 @@ class Settings(BaseSettings):
     registry_ca_file: Path | None = Field(None, description="Extra CA bundle (PEM) trusted for https registries")
     registry_timeout_s: float = Field(60.0, gt=0, description="Connect/read timeout of one registry HTTP call")
     registry_push_chunk_bytes: int = Field(0, ge=0, description="Push blobs as PATCH chunks this big (0: one PUT)")
+    image_pull_on_create: bool = Field(True, description="Creates pull a missing image found in image_registry")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")
