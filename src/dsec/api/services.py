@@ -63,7 +63,9 @@ class Services:
                 now = time.monotonic()
                 if now - seen.get(ref, -1e9) < settings.api_image_check_ttl_s:
                     return
-                await asyncio.to_thread(store.resolve_fast, ref)
+                # A missing image with a registry is pulled here, before any queueing
+                # (images/registry_ops.resolve_or_pull: single flight per ref, logged progress).
+                await asyncio.to_thread(getattr(store, "resolve_or_pull", store.resolve_fast), ref)
                 if len(seen) > 4096:
                     seen.clear()
                 seen[ref] = now

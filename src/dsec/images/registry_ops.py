@@ -14,13 +14,26 @@ present and only re-verifies it. At most ``image_max_concurrent_pulls`` blobs mo
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
+import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsec.errors import DigestMismatch, ImageError, NotFound
+from dsec.errors import (
+    DigestMismatch,
+    DSecError,
+    Forbidden,
+    ImageError,
+    InvalidArgument,
+    NotFound,
+    Unauthorized,
+)
 from dsec.images import media
 from dsec.images.fsutil import check_digest, digest_of
+from dsec.images.oci import normalize_name
 from dsec.images.registry import MAX_CONFIG_BYTES, Reference, RegistryClient, parse_reference, pick_platform
 from dsec.models.image import ImageInfo, LayerInfo
 
@@ -203,6 +216,74 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
         store.release(lease)
 
 
+# --- pull on create ------------------------------------------------------------------------
+
+def pull_source(ref_text: str, image_registry: str, enabled: bool) -> str | None:
+    """The registry reference a create's missing image is pulled from, or None. Only the
+    configured registry (``image_registry``) is ever contacted: a tenant naming another
+    host (say a loopback service) must not make the node fetch from it."""
+    text = ref_text.strip()
+    if not enabled or not image_registry or text.startswith("sha256:"):
+        return None
+    try:
+        ref = parse_reference(text, image_registry)
+    except InvalidArgument:
+        return None
+    return str(ref) if ref.registry == image_registry.rstrip("/") else None
+
+
+def log_progress(title: str, log: logging.Logger) -> Progress:
+    """Progress as log lines (a server has no terminal): per blob, at most one per 25 %."""
+    done: dict[str, int] = {}
+    shown: dict[str, int] = {}
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def advance(label: str, n: int, total: int) -> None:
+        with lock:
+            done[label] = done.get(label, 0) + n
+            step = int(4 * done[label] / total) if total else 4
+            if step <= shown.get(label, -1):
+                return
+            shown[label] = step
+        log.info("%s: %s %d/%d bytes (%d%%) %.1fs", title, label, done[label], total, 25 * step,
+                 time.monotonic() - t0)
+    return advance
+
+
+def resolve_or_pull(store: ImageStore, ref_text: str) -> ImageInfo:
+    """``store.resolve(ref)``; when the image is missing and pull-on-create applies
+    (``image_pull_on_create`` and the ref resolves in the ``image_registry``), pull it
+    first, once per reference however many creates wait for it (a per-ref lock; blob
+    fetches are single-flight anyway). Registry auth failures become ``ImageError`` so an
+    API client does not mistake them for its own credentials being refused."""
+    try:
+        return store.resolve_fast(ref_text)
+    except NotFound:
+        s = store.settings
+        source = pull_source(ref_text, s.image_registry, s.image_pull_on_create)
+        if source is None:
+            raise
+    with store.locks.hold("pull-" + hashlib.sha256(source.encode()).hexdigest()):
+        try:
+            return store.resolve_fast(ref_text)  # another create pulled it meanwhile
+        except NotFound:
+            pass
+        log = logging.getLogger("dsec.images.registry")
+        log.info("image %s is not on this node: pulling %s", ref_text, source)
+        t0 = time.monotonic()
+        try:
+            info = pull(store, source, name=normalize_name(ref_text), progress=log_progress(f"pull {source}", log))
+        except (Unauthorized, Forbidden) as exc:
+            raise ImageError(f"image {ref_text!r} is not on this node and pulling {source} failed: "
+                             f"{exc.message}", image=ref_text) from exc
+        except DSecError as exc:
+            exc.message = f"image {ref_text!r} is not on this node and pulling {source} failed: {exc.message}"
+            raise
+        log.info("pulled %s as %s (%s) in %.2fs", source, normalize_name(ref_text), info.id, time.monotonic() - t0)
+        return info
+
+
 # --- push ---------------------------------------------------------------------------------
 
 def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False,
@@ -241,4 +322,4 @@ def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False
     return mdigest
 
 
-__all__ = ["Credentials", "pull", "push"]
+__all__ = ["Credentials", "pull", "pull_source", "push", "resolve_or_pull"]

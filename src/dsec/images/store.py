@@ -95,6 +95,12 @@ class ImageStore:
         info = self._infos.get(image_id)
         return info if info is not None else self._info(image_id)
 
+    def resolve_or_pull(self, ref: str) -> ImageInfo:
+        """``resolve_fast``, pulling a missing image from its registry first when
+        pull-on-create applies (``registry_ops.resolve_or_pull``)."""
+        from dsec.images.registry_ops import resolve_or_pull
+        return resolve_or_pull(self, ref)
+
     def list(self) -> list[ImageInfo]:
         ids = [r[0] for r in self.db.q("SELECT id FROM images ORDER BY created_at, id")]
         return [self._info(i) for i in ids]

@@ -66,3 +66,21 @@ def test_pick_platform() -> None:
     assert pick_platform(idx, "x")["digest"] == "b"
     with pytest.raises(ImageError, match="linux/amd64"):
         pick_platform({"manifests": idx["manifests"][:1]}, "x")
+
+
+def test_pull_source_only_from_the_configured_registry() -> None:
+    """Pull-on-create contacts only image_registry: bare names resolve there, a ref naming
+    that registry is accepted, any other host (e.g. a loopback service) or an image id
+    is never pulled; with the setting off or no registry configured nothing is."""
+    from dsec.images.registry_ops import pull_source
+
+    reg = "127.0.0.1:5000"
+    assert pull_source("team/py:3", reg, True) == "127.0.0.1:5000/team/py:3"
+    assert pull_source("python", reg, True) == "127.0.0.1:5000/python:latest"
+    assert pull_source("127.0.0.1:5000/x:v1", reg, True) == "127.0.0.1:5000/x:v1"
+    assert pull_source("127.0.0.1:6379/x:v1", reg, True) is None
+    assert pull_source("evil.example.com/x:v1", reg, True) is None
+    assert pull_source("sha256:" + "ab" * 32, reg, True) is None
+    assert pull_source("python", "", True) is None
+    assert pull_source("python", reg, False) is None
+    assert pull_source("Bad Name", reg, True) is None
