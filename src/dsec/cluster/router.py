@@ -15,6 +15,7 @@ router's own ``create`` (a server without the scheduler) spreads by fewest sandb
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -33,6 +34,7 @@ from dsec.node.api import (
 )
 
 CLUSTER_NODE_ID = "cluster"
+log = logging.getLogger("dsec.cluster")
 
 
 def cluster_capacity(caps: list[NodeCapacity]) -> NodeCapacity:
@@ -150,8 +152,17 @@ class ClusterRouter:
         return await (await self._on(sandbox_id)).get(sandbox_id)
 
     async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]:
-        per = await asyncio.gather(*(a.list(labels, tenant) for a in self.agents.values()))
-        out = [self._learn(i, nid) for nid, infos in zip(self.agents, per) for i in infos]
+        """Every reachable node's sandboxes: a lost node's sandboxes are unreachable (they
+        answer NodeLost one by one) and must not take the whole cluster's listing down."""
+        per = await asyncio.gather(*(a.list(labels, tenant) for a in self.agents.values()), return_exceptions=True)
+        out = []
+        for nid, infos in zip(self.agents, per):
+            if isinstance(infos, errors.NodeLost):
+                log.warning("listing node %s: %s", nid, infos.message)
+                continue
+            if isinstance(infos, BaseException):
+                raise infos
+            out += [self._learn(i, nid) for i in infos]
         return sorted(out, key=lambda i: i.created_at)
 
     async def destroy(self, sandbox_id: str) -> None:

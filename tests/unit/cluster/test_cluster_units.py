@@ -117,3 +117,34 @@ async def test_router_routes_by_sandbox_and_spreads(tmp_path: Path) -> None:
     assert "sb-direct" not in fakes["n2"].sandboxes
     with pytest.raises(errors.NotFound):
         await r.exec("sb-nowhere", ExecRequest(cmd="echo"))
+
+
+async def test_router_list_survives_a_lost_node(tmp_path: Path) -> None:
+    """A lost node (its calls raise NodeLost) drops out of the cluster listing instead of
+    failing it; its own sandboxes answer NodeLost; other errors still surface."""
+    from dsec.cluster.router import ClusterRouter
+    from dsec.config import Settings
+    from dsec.testing import FakeNodeAgent
+
+    ok, gone = FakeNodeAgent(Settings(home=tmp_path), node_id="ok"), FakeNodeAgent(Settings(home=tmp_path),
+                                                                                   node_id="gone")
+    r = ClusterRouter({"ok": ok, "gone": gone})
+    a = await ok.create(SandboxSpec(image="busybox"))
+    b = await gone.create(SandboxSpec(image="busybox"))
+    await r.list()
+
+    async def lost(*_a: object, **_k: object) -> None:
+        raise errors.NodeLost("node gone does not answer", node="gone")
+
+    gone.list = lost  # type: ignore[method-assign]
+    gone.exec = lost  # type: ignore[method-assign]
+    assert [i.id for i in await r.list()] == [a.id]
+    with pytest.raises(errors.NodeLost):
+        await r.exec(b.id, ExecRequest(cmd="echo"))
+
+    async def broken(*_a: object, **_k: object) -> None:
+        raise errors.SandboxFailure("disk on fire")
+
+    gone.list = broken  # type: ignore[method-assign]
+    with pytest.raises(errors.SandboxFailure):
+        await r.list()
