@@ -32,6 +32,7 @@ from dsec.node.api import (
 from dsec.node.files import SandboxFS
 from dsec.node.manager import SandboxManager
 from dsec.runtime import agent_client as ac
+from dsec.runtime import gvisor_relay
 from dsec.runtime.runsc_exec import RunscExit, runsc_exec_stream
 
 log = logging.getLogger("dsec.node")
@@ -57,7 +58,7 @@ class LocalNodeAgent:
         self._net_lock = asyncio.Lock()
         self._cpu_base: dict[str, tuple[float, float]] = {}  # sandbox -> (CPU s, time) at hand-over
         # idle kept-alive exec connections of a sandbox die with it: close them at teardown
-        self.manager.before_teardown.append(lambda sid: ac.agent_forget(self.manager.paths(sid).socket))
+        self.manager.before_teardown.append(self._forget_agent)
 
     async def _ensure_network(self) -> Any:
         """Start networking on first need: nodes that never open egress pay nothing."""
@@ -292,16 +293,26 @@ class LocalNodeAgent:
             if sandbox_id in ae:
                 ae[sandbox_id] -= 1
 
+    def _forget_agent(self, sandbox_id: str) -> None:
+        """Close the sandbox's idle kept-alive agent connections (it is going away)."""
+        ac.agent_forget(self.manager.paths(sandbox_id).socket)
+        ac.agent_forget(gvisor_relay.relay_key(sandbox_id))
+
+    def _agent_sock(self, sandbox_id: str, rec: Any) -> Path | None:
+        """The sandbox's exec agent (both tiers); None: an old gVisor sandbox without one."""
+        return self.manager.agent_socket(sandbox_id, rec.info.isolation)
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         rec, argv, env, cwd, timeout = self._exec_params(sandbox_id, req)
         stdin = req.stdin.encode() if req.stdin is not None else None
+        sock = self._agent_sock(sandbox_id, rec)
         if req.background:
-            pid = await self._background(sandbox_id, rec, argv, env, cwd)
+            pid = await self._background(sandbox_id, sock, argv, env, cwd)
             return ExecResult(exit_code=0, pid=pid)
         with self._active(sandbox_id):
-            if rec.info.isolation == "gvisor":
+            if sock is None:
                 return await self._exec_gvisor(sandbox_id, argv, env, cwd, timeout, stdin)
-            out = await ac.agent_exec(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd,
+            out = await ac.agent_exec(sock, argv, env=env, cwd=cwd,
                                       timeout=timeout, stdin=stdin,
                                       max_output=self.settings.max_exec_output_bytes)
         return ExecResult(exit_code=out.exit_code, stdout=_decode(out.stdout), stderr=_decode(out.stderr),
@@ -336,7 +347,8 @@ class LocalNodeAgent:
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         rec, argv, env, cwd, timeout = self._exec_params(sandbox_id, req)
         stdin = req.stdin.encode() if req.stdin is not None else None
-        if rec.info.isolation == "gvisor":
+        sock = self._agent_sock(sandbox_id, rec)
+        if sock is None:
             t0 = time.perf_counter()
             with self._active(sandbox_id):
                 gstream = self._gvisor_stream(sandbox_id, argv, env, cwd, timeout, stdin)
@@ -349,7 +361,7 @@ class LocalNodeAgent:
                             yield ExecEvent(kind=g[0], data=_decode(g[1]))  # type: ignore[arg-type]
             return
         with self._active(sandbox_id):
-            stream = ac.agent_exec_stream(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd,
+            stream = ac.agent_exec_stream(sock, argv, env=env, cwd=cwd,
                                           timeout=timeout, stdin=stdin)
             async with contextlib.aclosing(stream):
                 async for item in stream:
@@ -360,21 +372,28 @@ class LocalNodeAgent:
                         kind, chunk = item
                         yield ExecEvent(kind=kind, data=_decode(chunk))  # type: ignore[arg-type]
 
-    async def _background(self, sandbox_id: str, rec: Any, argv: list[str], env: dict[str, str], cwd: str) -> int:
-        if rec.info.isolation == "gvisor":
-            raise InvalidArgument("background processes are not supported on the gvisor tier yet; "
-                                  "use isolation='container' or run `nohup cmd &` in a shell")
-        return await ac.agent_background(self.manager.paths(sandbox_id).socket, argv, env=env, cwd=cwd)
+    async def _background(self, sandbox_id: str, sock: Path | None, argv: list[str], env: dict[str, str],
+                          cwd: str) -> int:
+        if sock is None:
+            raise InvalidArgument(f"sandbox {sandbox_id} is a gVisor sandbox made before its exec agent was "
+                                  "reachable: background processes need a new sandbox; or run `nohup cmd &` "
+                                  "in a shell")
+        return await ac.agent_background(sock, argv, env=env, cwd=cwd)
 
     async def processes(self, sandbox_id: str) -> list[BackgroundProcess]:
         rec = self.manager.live_record(sandbox_id)
-        if rec.info.isolation == "gvisor":
+        sock = self._agent_sock(sandbox_id, rec)
+        if sock is None:
             return []
-        return await ac.agent_ps(self.manager.paths(sandbox_id).socket)
+        return await ac.agent_ps(sock)
 
     async def kill_process(self, sandbox_id: str, pid: int, signal: int = 9) -> None:
-        self.manager.live_record(sandbox_id)
-        await ac.agent_kill(self.manager.paths(sandbox_id).socket, pid, signal)
+        rec = self.manager.live_record(sandbox_id)
+        sock = self._agent_sock(sandbox_id, rec)
+        if sock is None:
+            raise InvalidArgument(f"sandbox {sandbox_id} has no background processes (gVisor sandbox made "
+                                  "before its exec agent was reachable)")
+        await ac.agent_kill(sock, pid, signal)
 
     # --- files ----------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ from dsec.node.records import RecordStore, SandboxRecord
 from dsec.node.resolve import resolve_spec
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
-from dsec.runtime.agent_client import agent_ping
+from dsec.runtime import gvisor_relay
+from dsec.runtime.agent_client import agent_ping, register_opener, unregister_opener
 from dsec.runtime.oci import RuntimeSpec, build_config
 from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
 
@@ -80,6 +81,8 @@ class SandboxManager:
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
         self.before_teardown: list[Callable[[str], None]] = []
+        # gVisor sandboxes whose PID 1 is the listening agent (reached through relays)
+        self._gvisor_agents: set[str] = set()
         self.cpu = settings.node_cpu or float(os.cpu_count() or 1)
         self.memory = parse_bytes(settings.node_memory) if settings.node_memory else _meminfo_total()
         self.disk = parse_bytes(settings.node_disk) if settings.node_disk else int(shutil.disk_usage(
@@ -234,10 +237,39 @@ class SandboxManager:
         if info.isolation == "gvisor":
             for gpid in await asyncio.to_thread(_gvisor_pids, info.id, pid):
                 cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
-        if info.isolation != "gvisor" and not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
+        if info.isolation == "gvisor":
+            if not self._use_gvisor_agent(info.id):  # no ping: that is a runsc exec; relays wait for PID 1
+                raise SandboxFailure(f"sandbox {info.id}: its agent token is missing", sandbox_id=info.id)
+        elif not await agent_ping(p.socket, self.settings.agent_connect_timeout_s):
             raise SandboxFailure(f"sandbox {info.id}: exec agent did not answer within "
                                  f"{self.settings.agent_connect_timeout_s}s; runtime log: {_tail(p.log)}",
                                  sandbox_id=info.id)
+
+    def _use_gvisor_agent(self, sid: str) -> bool:
+        """Route this gVisor sandbox's agent connections through relays (dsec.runtime.gvisor_relay)."""
+        base = self.paths(sid).base
+        token = gvisor_relay.read_token(base)
+        if token is None:
+            return False
+        rt, log_path = self.runtime("gvisor"), base / "relay.log"
+        register_opener(gvisor_relay.relay_key(sid), lambda: gvisor_relay.open_relay(rt, sid, log_path, token))
+        self._gvisor_agents.add(sid)
+        return True
+
+    def agent_socket(self, sandbox_id: str, isolation: str) -> Path | None:
+        """The ``sock_path`` of a sandbox's exec agent (gVisor: the relay key); None for a
+        gVisor sandbox whose PID 1 is no agent (made by an older node: ``runsc exec``).
+        An adopted gVisor sandbox (node restarted) is recognised by its bundle's argv."""
+        if isolation != "gvisor":
+            return self.paths(sandbox_id).socket
+        if sandbox_id not in self._gvisor_agents:
+            try:
+                args = json.loads(self.paths(sandbox_id).config.read_text())["process"]["args"]
+            except (OSError, ValueError, KeyError):
+                return None
+            if args != gvisor_relay.serve_args() or not self._use_gvisor_agent(sandbox_id):
+                return None
+        return gvisor_relay.relay_key(sandbox_id)
 
     def _prepare_root(self, rec: SandboxRecord, p: SandboxPaths, extra_lower_dirs: list[Path]) -> None:
         info = rec.info
@@ -266,6 +298,10 @@ class SandboxManager:
         config = build_config(spec)
         if info.isolation == "gvisor":
             _gvisor_bind_tmp(config, p.rootfs)
+            # PID 1 listens inside (runsc passes no fds) and serves relays only; commands
+            # run under dsec-init's seccomp filter (runsc applies no OCI profile inside).
+            config["process"]["args"] = gvisor_relay.serve_args()
+            config["mounts"].append(gvisor_relay.write_token(p.base)[1])
             cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             if netns is None:  # --network=none: runsc makes its own empty netns
@@ -316,6 +352,9 @@ class SandboxManager:
             self._set_state(rec, S.failed, error=f"cleanup failed: {e}")
             raise SandboxFailure(f"cleanup of sandbox {sid} failed: {e}; the reconciler will retry",
                                  sandbox_id=sid) from e
+        if sid in self._gvisor_agents:
+            self._gvisor_agents.discard(sid)
+            unregister_opener(gvisor_relay.relay_key(sid))
         self.live.pop(sid, None)
         self.active_execs.pop(sid, None)
         self._lowers.pop(sid, None)

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +38,8 @@ __all__ = [
     "agent_kill",
     "agent_ping",
     "agent_ps",
+    "register_opener",
+    "unregister_opener",
 ]
 
 
@@ -52,6 +54,21 @@ class ExecOutcome:
     truncated: bool
     duration: float  # seconds, host-measured round trip
     pid: int | None = None  # the command's pid inside the sandbox
+
+
+Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+# Agents reached another way than connect() to a host socket path (gVisor: a relay
+# started with `runsc exec`), by the key their sandbox's execs use as ``sock_path``.
+_openers: dict[str, Opener] = {}
+
+
+def register_opener(key: Path, opener: Opener) -> None:
+    """Connections to ``key`` are made by ``opener`` (a stream to the agent) from now on."""
+    _openers[str(key)] = opener
+
+
+def unregister_opener(key: Path) -> None:
+    _openers.pop(str(key), None)
 
 
 class _Stale(Exception):
@@ -70,9 +87,13 @@ class _Conn:
     @classmethod
     async def open(cls, sock_path: Path) -> _Conn:
         timeout = get_settings().agent_connect_timeout_s
+        opener = _openers.get(str(sock_path))
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(str(sock_path))
+                if opener is not None:
+                    reader, writer = await opener()
+                else:
+                    reader, writer = await asyncio.open_unix_connection(str(sock_path))
         except (OSError, TimeoutError) as exc:
             reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
             raise SandboxFailure(
@@ -96,7 +117,7 @@ class _Conn:
             raise SandboxFailure(f"exec agent at {self.where} stopped answering (no reply past the exec "
                                  "timeout plus grace); the sandbox may be frozen or overloaded",
                                  socket=self.where) from None
-        except (asyncio.IncompleteReadError, OSError) as exc:
+        except OSError as exc:
             raise SandboxFailure(f"exec agent at {self.where} broke the stream ({exc!r}); the sandbox "
                                  "or its init process may have died", socket=self.where) from exc
 

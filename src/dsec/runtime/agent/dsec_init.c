@@ -2,13 +2,16 @@
  * dsec-init: PID 1 and in-sandbox exec agent of every DSec sandbox.
  *
  * Modes (see docs/exec-agent.md for the wire protocol):
- *   dsec-init [serve] [--fd N] [--filter]
+ *   dsec-init [serve] [--fd N | --listen NAME --token-file F] [--filter]
  *                                PID-1 agent: accept()s host connections on the listening
  *                                AF_UNIX socket inherited as fd N (default 3). Without a
  *                                listening socket there it is a plain reaping init.
  *                                --filter: every command starts under run mode's seccomp
  *                                filter (the gVisor tier, where runsc applies no OCI profile
  *                                to processes it did not start itself).
+ *   dsec-init relay NAME         connect to @NAME and copy stdin -> socket -> stdout (the
+ *                                gVisor tier's way in: `runsc exec` of this); stdin EOF
+ *                                closes the connection, which cancels a running exec.
  *   dsec-init run [--timeout-ms N] [--cwd DIR] -- argv...
  *                                one command, stdio passed through, tree-kill on timeout
  *                                (exit 124) or on SIGTERM/SIGINT/SIGHUP (exit 128+sig).
@@ -40,6 +43,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -499,7 +503,10 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
         struct pollfd pf[5];
         int np = 0, ic = -1, ip[2] = { -1, -1 }, is;
         int want_in = stdin_on && !stdin_eof && inlen < INBUF;
-        pf[np] = (struct pollfd){ conn, (short)(POLLRDHUP | (want_in ? POLLIN : 0) | (outlen ? POLLOUT : 0)), 0 };
+        /* POLLIN even without stdin: gVisor's host-backed sockets report a peer close as
+           readable EOF only (no POLLRDHUP), and the close is the cancel signal */
+        int watch_in = want_in || !stdin_on || stdin_eof;
+        pf[np] = (struct pollfd){ conn, (short)(POLLRDHUP | (watch_in ? POLLIN : 0) | (outlen ? POLLOUT : 0)), 0 };
         ic = np++;
         for (int i = 0; i < 2; i++)
             if (pipes[i] >= 0 && OUTBUF - outlen >= CHUNK + 5 + 11) {
@@ -539,10 +546,23 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
                 _exit(0);
             }
         }
-        if (pf[ic].revents & POLLIN) {
+        if (pf[ic].revents & POLLIN && want_in) {
             ssize_t n = recv(conn, inbuf + inlen, INBUF - inlen, 0);
             if (n == 0) { handler_kill(child, &status, &done, sigfd); _exit(0); }
             if (n > 0) inlen += (size_t)n;
+        } else if (pf[ic].revents & POLLIN) {
+            /* nothing may arrive now (no stdin, or after its 'i'): EOF = cancel, data = junk */
+            unsigned char b;
+            ssize_t n = recv(conn, &b, 1, MSG_PEEK);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+                handler_kill(child, &status, &done, sigfd);
+                _exit(0);
+            }
+            if (n > 0) {
+                handler_kill(child, &status, &done, sigfd);
+                send_failure(conn, F_BAD_REQUEST, "unexpected data from the host during an exec");
+                _exit(0);
+            }
         }
         /* stdin frames: 'I' data goes to the pipe, 'i' closes it; junk ends the exec */
         while (inlen >= 5 && !stdin_eof) {
@@ -780,6 +800,7 @@ struct pending {
     uint32_t hdr_got, len, got;
     unsigned char *buf;
     int64_t deadline;
+    int authed;        /* the token frame was seen (always 1 without --token-file) */
     pid_t bg_pid;      /* background spawn awaiting its exec result */
     int errfd;         /* CLOEXEC pipe: EOF = exec succeeded, data = failure text */
 };
@@ -915,6 +936,30 @@ static int dispatch(int i)
     return 1;
 }
 
+/* serve --token-file: connections must open with an 'A' frame carrying this token. */
+static unsigned char token[64];
+static size_t token_len;
+
+static int read_token(const char *path)
+{
+    /* read once, then empty the file: only PID 1 ever knows it (no sandbox code ran yet) */
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, token, sizeof token);
+    int ok = n >= 16 && ftruncate(fd, 0) == 0;
+    close(fd);
+    if (!ok) return -1;
+    token_len = (size_t)n;
+    return 0;
+}
+
+static int token_ok(const unsigned char *p, uint32_t len)
+{
+    unsigned char diff = (unsigned char)(len != token_len);
+    for (size_t i = 0; i < token_len; i++) diff |= (unsigned char)((i < len ? p[i] : 0) ^ token[i]);
+    return diff == 0;
+}
+
 /* Read what has arrived of a pending request; dispatch it once complete. */
 static void pend_read(int i)
 {
@@ -945,6 +990,14 @@ static void pend_read(int i)
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) { pend_close(i); return; }
         if (n < 0 && errno == EAGAIN) return;
         if (pd->hdr_got == 5 && pd->got == pd->len) {
+            if (!pd->authed) {  /* the first frame must be the token; anything else: silence */
+                if (pd->hdr[4] != 'A' || !token_ok(pd->buf, pd->len)) { pend_close(i); return; }
+                pd->authed = 1;
+                free(pd->buf);
+                pd->buf = NULL;
+                pd->hdr_got = pd->got = pd->len = 0;
+                continue;
+            }
             if (!dispatch(i)) pend_close(i);
             return;
         }
@@ -989,7 +1042,7 @@ static int is_listening(int fd)
     return getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &v, &l) == 0 && v;
 }
 
-static void serve(int lfd)
+static void serve(int lfd, int listening)
 {
     /* non-dumpable: without CAP_SYS_PTRACE nobody can ptrace us or open /proc/1/fd entries */
     prctl(PR_SET_DUMPABLE, 0);
@@ -997,7 +1050,7 @@ static void serve(int lfd)
     int sigs[] = { SIGCHLD };
     int sigfd = make_sigfd(sigs, 1);
     if (sigfd < 0) { logmsg("signalfd: %s", strerror(errno)); _exit(1); }
-    if (!is_listening(lfd)) {
+    if (lfd < 0 || (!listening && !is_listening(lfd))) {  /* gVisor lacks SO_ACCEPTCONN on host sockets */
         logmsg("fd %d is not a listening socket: running as a plain init (no exec agent)", lfd);
         lfd = -1;
     } else {
@@ -1039,7 +1092,7 @@ static void serve(int lfd)
             while (npend < MAX_PENDING) {
                 int c = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
                 if (c < 0) break;
-                pend[npend] = (struct pending){ .fd = c, .errfd = -1,
+                pend[npend] = (struct pending){ .fd = c, .errfd = -1, .authed = token_len == 0,
                                                 .deadline = now_ms(CLOCK_MONOTONIC) + REQUEST_READ_MS };
                 npend++;
                 pend_read(npend - 1);  /* the request usually is already there */
@@ -1118,6 +1171,79 @@ static int run_main(int argc, char **argv)
     }
 }
 
+/*
+ * serve --listen NAME --token-file F (gVisor tier): runsc cannot hand us a listening fd
+ * and a host UDS would change how every socket in the sandbox's files behaves
+ * (--host-uds), so PID 1 listens on the abstract name @NAME inside the sandbox, taken
+ * before any sandbox code runs (nobody else can bind it later). The node reaches it
+ * through `runsc exec` of `dsec-init relay NAME`, one relay per kept-alive connection,
+ * and opens each connection with an 'A' frame carrying the token PID 1 read (and
+ * emptied) from F at start: sandbox code can connect too, but gets nothing.
+ * Returns the listening fd, or -1 (plain init) when that fails.
+ */
+static socklen_t abstract_addr(struct sockaddr_un *a, const char *name)
+{
+    size_t n = strlen(name);
+    if (n + 1 > sizeof a->sun_path) n = sizeof a->sun_path - 1;
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    memcpy(a->sun_path + 1, name, n);  /* leading NUL: the abstract namespace */
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+static int listen_at(const char *name)
+{
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(&a, name);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const char *step = fd < 0 ? "socket" : bind(fd, (struct sockaddr *)&a, alen) < 0 ? "bind"
+                     : listen(fd, 4096) < 0 ? "listen" : NULL;
+    if (step) {
+        logmsg("cannot listen on @%s (%s): %s", name, step, strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* relay NAME: copy stdin -> @NAME and @NAME -> stdout until either side ends. */
+static int relay_main(int argc, char **argv)
+{
+    if (argc < 1) { logmsg("relay: no socket name"); return 125; }
+    prctl(PR_SET_DUMPABLE, 0);
+    signal(SIGPIPE, SIG_IGN);
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(&a, argv[0]);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* right after `runsc run` PID 1 may not listen yet: retry for up to 2 s */
+    for (int tries = 0; s >= 0 && connect(s, (struct sockaddr *)&a, alen) < 0; tries++) {
+        if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) || tries >= 400) {
+            logmsg("relay: cannot connect to @%s: %s", argv[0], strerror(errno));
+            return 125;
+        }
+        usleep(5000);
+    }
+    if (s < 0) { logmsg("relay: socket: %s", strerror(errno)); return 125; }
+    static unsigned char buf[CHUNK];
+    for (;;) {
+        struct pollfd pf[2] = { { 0, POLLIN, 0 }, { s, POLLIN, 0 } };
+        if (poll(pf, 2, -1) < 0) { if (errno == EINTR) continue; return 1; }
+        for (int i = 0; i < 2; i++) {
+            if (!pf[i].revents) continue;
+            int from = i == 0 ? 0 : s, to = i == 0 ? s : 1;
+            ssize_t n = read(from, buf, sizeof buf);
+            if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+            if (n <= 0) return 0;  /* either side ended: closing s cancels a running exec */
+            for (ssize_t off = 0; off < n;) {  /* stdout may be a pipe: write, not send */
+                ssize_t w = write(to, buf + off, (size_t)(n - off));
+                if (w < 0 && errno == EINTR) continue;
+                if (w <= 0) return 0;
+                off += w;
+            }
+        }
+    }
+}
+
 int main(int argc, char **argv)
 {
     /* fds 0-2 must be taken so that no connection or pipe ever lands on them */
@@ -1128,15 +1254,27 @@ int main(int argc, char **argv)
         }
     reset_all_dispositions();
     if (argc >= 2 && strcmp(argv[1], "run") == 0) return run_main(argc - 2, argv + 2);
+    if (argc >= 2 && strcmp(argv[1], "relay") == 0) return relay_main(argc - 2, argv + 2);
     int fd = 3;
+    const char *listen_name = NULL;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "serve") == 0) continue;
         if (strcmp(argv[i], "--fd") == 0 && i + 1 < argc) { fd = atoi(argv[++i]); continue; }
         if (strcmp(argv[i], "--filter") == 0) { exec_filter = 1; continue; }
+        if (strcmp(argv[i], "--listen") == 0 && i + 1 < argc) { listen_name = argv[++i]; continue; }
+        if (strcmp(argv[i], "--token-file") == 0 && i + 1 < argc) {
+            if (read_token(argv[++i]) < 0) {  /* fail closed: no agent rather than an open one */
+                logmsg("cannot read the token file %s: %s", argv[i], strerror(errno));
+                listen_name = NULL;
+                fd = -1;
+            }
+            continue;
+        }
         if (strcmp(argv[i], "--version") == 0) { printf("%s protocol %d\n", AGENT_IDENT, PROTO_VERSION); return 0; }
-        logmsg("unknown argument '%s'; usage: dsec-init [serve] [--fd N] [--filter] | run [--timeout-ms N] [--cwd DIR] -- argv...", argv[i]);
+        logmsg("unknown argument '%s'; usage: dsec-init [serve] [--fd N | --listen NAME --token-file F] [--filter] | relay NAME | run [--timeout-ms N] [--cwd DIR] -- argv...", argv[i]);
         return 2;
     }
-    serve(fd);
+    if (listen_name && fd >= 0) fd = listen_at(listen_name);
+    serve(fd, listen_name != NULL);
     return 0;
 }
