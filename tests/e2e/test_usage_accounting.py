@@ -215,3 +215,37 @@ def test_gvisor_cpu_seconds_match_its_cgroup(userver: Server) -> None:
     assert t.cpu_seconds > 0.2 and t.memory_gb_seconds > 0
     # The reported figure also counts the few ms between this read and the kill.
     assert _close(t.cpu_seconds, cpu_ns / 1e9, 0.1), (t.cpu_seconds, cpu_ns)
+
+
+def test_usage_survives_a_server_restart(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Usage lives in the state database: after the server stops and starts again on the
+    same home, a dead sandbox's totals are still reported, and a sandbox that lived across
+    the restart keeps what it had accumulated and goes on counting."""
+    from e2e_server import ensure_images, reap_home, start_server
+
+    home = tmp_path_factory.mktemp("dsec-usage-restart")
+    ensure_images(home, ["busybox"])
+    srv = start_server(home, {"DSEC_USAGE_SAMPLE_INTERVAL_S": "0.1"})
+    try:
+        with Client(srv.url, srv.token) as c:
+            with Sandbox.create(image="busybox", cpu=0.5, memory="64M", labels={"run": "dead"}, client=c) as sb:
+                sb.exec("true")
+            keep = Sandbox.create(image="busybox", cpu=0.5, memory="64M", labels={"run": "alive"}, client=c)
+            keep.exec("timeout 1 sh -c 'while :; do :; done'; true")
+            before = c.usage({"run": "alive"}).totals
+        srv.stop()
+        srv = start_server(home, {"DSEC_USAGE_SAMPLE_INTERVAL_S": "0.1"})
+        with Client(srv.url, srv.token) as c:
+            dead = c.usage({"run": "dead"}).totals
+            assert dead.sandboxes == 1 and dead.exec_count == 1
+            keep = Sandbox.connect(keep.id, client=c)
+            keep.exec("timeout 1 sh -c 'while :; do :; done'; true")
+            keep.kill()
+            after = c.usage({"run": "alive"}).totals
+        assert after.exec_count == 2 and after.cpu_seconds > before.cpu_seconds
+        assert after.sandbox_seconds > before.sandbox_seconds
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+        srv.stop()
+        reap_home(home)
