@@ -167,6 +167,31 @@ def error_text(resp: httpx.Response) -> str:
     return f"HTTP {resp.status_code} {resp.reason_phrase}"
 
 
+def _widen_reads(resp: httpx.Response, size: int = 1 << 20) -> None:
+    """Best effort: let this response's HTTP/1.1 connection read up to ``size`` bytes per
+    recv instead of httpcore's 64 KiB. Each recv is a GIL round trip; on a CPU-starved
+    node (the bench machine runs at load 10 on 2 cores) 16x fewer of them made a
+    python-image pull ~1.3x faster. Set on this connection instance only (never on the
+    class: the SDK's small exec calls share the process); if httpx/httpcore internals
+    differ, nothing changes."""
+    obj: object = resp.stream
+    for _ in range(6):
+        if hasattr(type(obj), "READ_NUM_BYTES"):
+            try:
+                obj.READ_NUM_BYTES = size  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            return
+        nxt = None
+        for attr in ("_stream", "_httpcore_stream", "_connection"):
+            nxt = getattr(obj, attr, None)
+            if nxt is not None:
+                break
+        if nxt is None:
+            return
+        obj = nxt
+
+
 # --- the client -----------------------------------------------------------------------
 
 _SSL_CONTEXTS: dict[str, ssl.SSLContext] = {}
@@ -373,6 +398,7 @@ class RegistryClient:
     def blob_stream(self, repo: str, digest: str, what: str) -> Iterator[httpx.Response]:
         r = self.request("GET", f"/v2/{repo}/blobs/{digest}", self.scope(repo), what=what,
                          headers={"Accept-Encoding": "identity"}, stream=True)
+        _widen_reads(r)
         try:
             yield r
         finally:
