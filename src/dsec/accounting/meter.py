@@ -56,6 +56,10 @@ def advance(acc: Accum, now: Counters) -> tuple[float, float, int]:
     if prev is None:
         acc.last = now
         return 0.0, 0.0, 0
+    if now.t <= prev.t:
+        # Read before the sample already folded (two samplers raced: the loop and a quota
+        # check): stale. Folding it would take its lower counter for a re-created cgroup.
+        return 0.0, 0.0, 0
     cpu = counter_delta(prev.cpu_ns, now.cpu_ns) / 1e9
     dt = max(0.0, now.t - prev.t)
     if prev.memory is not None and now.memory is not None:

@@ -34,6 +34,16 @@ def test_advance_integrates_memory_and_counts_growth_only() -> None:
     assert acc.last is not None and acc.last.cpu_ns == 6_500_000_000
 
 
+def test_a_stale_sample_is_ignored() -> None:
+    """A sample read before the last folded one (two samplers raced) adds nothing: its
+    lower CPU counter must not be taken for a re-created cgroup (all of it counted again)."""
+    acc = Accum()
+    advance(acc, Counters(t=1.0, cpu_ns=1_000_000_000, memory=GIB, disk_used=0))
+    advance(acc, Counters(t=3.0, cpu_ns=3_000_000_000, memory=GIB, disk_used=0))
+    assert advance(acc, Counters(t=2.0, cpu_ns=2_000_000_000, memory=GIB, disk_used=0)) == (0.0, 0.0, 0)
+    assert acc.cpu_seconds == pytest.approx(2.0) and acc.memory_gb_seconds == pytest.approx(2.0)
+
+
 def test_counter_delta_survives_a_recreated_cgroup() -> None:
     """A counter that went backwards (gVisor reset re-made the cgroup) counts from zero."""
     assert counter_delta(None, 10) == 0 and counter_delta(10, 15) == 5 and counter_delta(15, 4) == 4
