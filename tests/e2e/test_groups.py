@@ -92,8 +92,8 @@ def test_two_groups_race_for_the_last_room(gserver: Server) -> None:
 
 
 def test_queued_group_admitted_when_room_frees(gserver: Server) -> None:
-    """A group that does not fit waits as one unit (creating nothing) and is admitted whole
-    as soon as room frees within its deadline."""
+    """A group that does not fit waits as one unit (creating nothing; GET /v1/groups shows
+    its one position and ETA) and is admitted whole as soon as room frees within its deadline."""
     with Client(gserver.url, gserver.token) as c:
         first = Sandbox.create_group(4, client=c, **SHAPE)
         out: dict[str, object] = {}
@@ -107,6 +107,9 @@ def test_queued_group_admitted_when_room_frees(gserver: Server) -> None:
         th.start()
         time.sleep(2.0)
         assert sorted(_live(gserver)) == sorted(s.id for s in first)  # the waiting group made nothing
+        with httpx.Client(base_url=gserver.url, headers={"authorization": f"Bearer {gserver.token}"}) as h:
+            (queued,) = h.get("/v1/groups").json()  # one unit: one position, one ETA
+        assert queued["n"] == 4 and queued["position"] == 0 and queued["eta_s"] > 0 and queued["waited_s"] >= 1.5
         for s in first:
             s.kill()
         th.join(60)
