@@ -158,11 +158,11 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
         bound = server.servers[0].sockets[0].getsockname()
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound[1]}"
         from dsec.api.compat.e2b import e2b_urls
+        from dsec.api.compat.fusion import server_json_entry
 
         atomic_write(server_file, json.dumps({"url": url, **e2b_urls(url),
                                               **server_json_entry(url, hash_token(local_token)), "pid": os.getpid(),
                                               "started_at": time.time()}).encode())
-        from dsec.api.compat.fusion import server_json_entry
         log.info("DSec API listening on %s (token: %s)", url, settings.home / TOKEN_FILE)
         if ready is not None:
             ready.set()
