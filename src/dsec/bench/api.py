@@ -111,12 +111,14 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     req = ExecRequest(cmd=["true"])
     series: dict[str, list[float]] = {k: [] for k in (
         "node_exec", "sdk_async_exec", "sdk_sync_exec", "node_get", "sdk_async_get", "sdk_sync_get",
-        "sdk_async_exec_httpx_driver", "sdk_async_exec_fastapi_route")}
+        "sdk_async_exec_httpx_driver", "sdk_async_exec_fastapi_route", "sdk_sync_exec_urllib3_driver")}
     try:
         async with AsyncClient(url, token) as ac, \
                 AsyncClient(url, token, transport=httpx.AsyncHTTPTransport()) as hx, \
                 AsyncClient(ref_url, token) as fr:
             sc = Client(url, token)
+            su3 = Client(url, token)  # in-run baseline: the sync SDK on urllib3 (before its raw path)
+            su3._u3._raw = None  # type: ignore[union-attr]
             info = await ac.create(SandboxSpec(**SPEC))  # type: ignore[arg-type]
             sid = info.id
             try:
@@ -130,6 +132,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
                         "sdk_sync_get": await asyncio.to_thread(timed_sync, sc.get, sid),
                         "sdk_async_exec_httpx_driver": await timed(hx.exec(sid, req)),
                         "sdk_async_exec_fastapi_route": await timed(fr.exec(sid, req)),
+                        "sdk_sync_exec_urllib3_driver": await asyncio.to_thread(timed_sync, su3.exec, sid, req),
                     }
                     if i >= warmup:
                         for k, v in row.items():
@@ -137,6 +140,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
             finally:
                 await ac.kill(sid)
                 sc.close()
+                su3.close()
     finally:
         ref_server.should_exit = True
         await ref_task
@@ -152,6 +156,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         "baseline_sdk_async_exec_httpx_driver": _paired(series["node_exec"], series["sdk_async_exec_httpx_driver"]),
         "baseline_sdk_async_exec_fastapi_route": _paired(series["node_exec"],
                                                          series["sdk_async_exec_fastapi_route"]),
+        "baseline_sdk_sync_exec_urllib3_driver": _paired(series["node_exec"], series["sdk_sync_exec_urllib3_driver"]),
     }
     return out
 
