@@ -203,6 +203,47 @@ def stack_layer(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, 
     return times
 
 
+def reroot_fresh(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, lower_dirs: list[str],
+                 disk: int, workdir: str, hosts: bytes | None) -> dict[str, float]:
+    """A fresh sandbox (just created or handed over from a warm pool: nothing ran in it)
+    gets a root over ``lower_dirs`` (a clone's frozen layer on top): a new scratch tmpfs
+    and overlay swapped in with pivot_root. Unlike a reset nothing needs killing or
+    cleaning, so only the mounts are made. Blocking."""
+    t0 = time.perf_counter()
+    nscratch, nroot = scratch.with_name("scratch.next"), rootfs.with_name("rootfs.next")
+    for d in (nroot, nscratch):
+        if os.path.ismount(d):
+            syscalls.umount(str(d))
+        d.mkdir(0o700, exist_ok=True)
+    tree_fd = -1
+    try:
+        syscalls.mount_tmpfs(str(nscratch), disk, mode=0o700)
+        os.mkdir(nscratch / "upper", 0o755)
+        os.mkdir(nscratch / "work", 0o755)
+        syscalls.mount_overlay(str(nroot), lower_dirs, str(nscratch / "upper"), str(nscratch / "work"))
+        prepare_root(nroot, workdir, hosts)
+        tree_fd = _sys(SYS_OPEN_TREE, AT_FDCWD, str(nroot).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
+        out: list[BaseException | str] = []
+        th = threading.Thread(target=_swap_root, args=(init_pid, tree_fd, out), name=f"dsec-reroot-{sandbox_id}",
+                              daemon=True)
+        th.start()
+        th.join()
+        if not out or not isinstance(out[0], str):
+            raise CloneError(f"sandbox {sandbox_id}: root swap failed: {out[0] if out else 'thread died'}")
+    except BaseException:
+        for d in (nroot, nscratch):
+            with contextlib.suppress(OSError):
+                syscalls.umount(str(d))
+        raise
+    finally:
+        if tree_fd >= 0:
+            os.close(tree_fd)
+    for old, new in ((rootfs, nroot), (scratch, nscratch)):
+        syscalls.umount(str(old))
+        syscalls.mount(str(new), str(old), "", MS_MOVE)
+    return {"total": (time.perf_counter() - t0) * 1000}
+
+
 # --- the slow path -------------------------------------------------------------------------
 
 

@@ -465,20 +465,30 @@ class SandboxManager:
 
     async def reroot(self, sandbox_id: str, extra_lower_dirs: list[Path]) -> None:
         """Stack ``extra_lower_dirs`` over a fresh container-tier sandbox's image layers, in
-        place (the in-place reset with those lowers: a clone handed a warm pool member or
-        just created). Its later resets return to this root."""
+        place (a clone handed a warm pool member or just created: nothing ran in it, so
+        only the root is swapped). Its later resets return to this root."""
         from dsec.node import reset as rs
 
         rec = self.live_record(sandbox_id)
         if rec.info.isolation != "container":
             raise SandboxFailure(f"sandbox {sandbox_id}: only the container tier can be re-rooted in place",
                                  sandbox_id=sandbox_id)
-        base = self._lowers.get(sandbox_id) or rs.lower_dirs_of(self.paths(sandbox_id).rootfs)
-        self._lowers[sandbox_id] = [*map(str, extra_lower_dirs), *base]
-        before = self.counters.get("reset_in_place", 0)
-        await self.reset(sandbox_id)
-        if self.counters.get("reset_in_place", 0) == before:  # re-made from the image alone: not a clone
-            raise SandboxFailure(f"sandbox {sandbox_id}: in-place re-root failed", sandbox_id=sandbox_id)
+        p = self.paths(sandbox_id)
+        lock = self._reset_locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            base = self._lowers.get(sandbox_id) or rs.lower_dirs_of(p.rootfs)
+            lowers = [*map(str, extra_lower_dirs), *base]
+            hosts = None
+            att = self.network.attachment(sandbox_id) if self.network is not None else None
+            if att is not None and att.hosts:
+                hosts = ("\n".join(["127.0.0.1 localhost"] + [f"{ip} {name}" for name, ips in att.hosts.items()
+                                                              for ip in ips]) + "\n").encode()
+            if not rec.info.pid or not _is_sandbox_init(rec.info.pid, sandbox_id, "container"):
+                raise SandboxFailure(f"sandbox {sandbox_id}: its init is gone", sandbox_id=sandbox_id)
+            await asyncio.to_thread(clones.reroot_fresh, sandbox_id=sandbox_id, init_pid=rec.info.pid,
+                                    rootfs=p.rootfs, scratch=p.scratch, lower_dirs=lowers, disk=rec.info.disk,
+                                    workdir=rec.workdir, hosts=hosts)
+            self._lowers[sandbox_id] = lowers  # its resets return to this root
 
     def unpin_layer(self, layer: Path) -> None:
         """The creates that needed ``layer`` are done: it lives while a mount uses it."""
