@@ -276,8 +276,10 @@ class Settings(BaseSettings):
                                        "for output still in its pipes (background jobs may hold them open)")
 
     # --- SandboxFusion-compatible /run_code (issue 14; dsec.api.compat.fusion) ---------------
-    fusion_images: dict[str, str] = Field({"python": "python", "bash": "python", "cpp": "cpp"},
-                                          description="SandboxFusion language -> DSec image that runs it")
+    fusion_images: dict[str, str] = Field({"python": "python", "bash": "python", "cpp": "cpp", "nodejs": "nodejs",
+                                           "go": "go", "java": "java"},
+                                          description="SandboxFusion language -> DSec image that runs it "
+                                          "(nodejs/go/java images are built on their first call)")
     fusion_pool_max: int = Field(64, ge=1, description="Most sandboxes one (tenant, image, memory) run_code pool "
                                  "holds; calls beyond wait for a free one")
     fusion_cpu: float = Field(1.0, gt=0, description="CPU cap of each run_code sandbox")

@@ -203,3 +203,25 @@ def test_concurrent_calls(fusion_url: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(32) as ex:
         outs = list(ex.map(one, range(32)))
     assert outs == [f"{i * 2}\n" for i in range(32)]
+
+
+def _until_built(fusion_url: str, body: dict, limit_s: float = 900) -> tuple[dict, list[str]]:
+    """Call until the language's image is there; returns the answer and the progress seen."""
+    progress: list[str] = []
+    deadline = time.monotonic() + limit_s
+    while True:
+        r = _post(fusion_url, body, timeout=300)
+        if r["status"] != "SandboxError" or "being built" not in r["message"]:
+            return r, progress
+        progress.append(r["message"])
+        assert time.monotonic() < deadline, progress[-1]
+        time.sleep(2)
+
+
+def test_nodejs_image_built_on_first_use(fusion_url: str) -> None:
+    """A language whose image is not on the server (nodejs) answers SandboxError 'being
+    built ... progress: ...' while the stock image builds in the background, then runs."""
+    r, progress = _until_built(fusion_url, {"code": "process.stdin.on('data', d => console.log(String(d).trim() * 2))",
+                                            "language": "nodejs", "stdin": "21"})
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "42\n", r
+    assert all("progress:" in p for p in progress)

@@ -38,6 +38,10 @@ PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_PACKAGES = ["python3", "python3-pip", "python3-venv", "git", "gcc", "libc6-dev", "ca-certificates", "bash"]
 # The cpp image (SandboxFusion's cpp language): the C++ toolchain and a shell, nothing else.
 CPP_PACKAGES = ["g++", "libc6-dev", "bash"]
+# Built on first use only (not by `dsec image ensure-stock` without --only): SandboxFusion's
+# nodejs, go and java languages. Debian packages, so they build offline like python.
+LAZY_STOCK: dict[str, list[str]] = {"nodejs": ["nodejs", "bash"], "go": ["golang-go", "bash"],
+                                    "java": ["default-jdk-headless", "bash"]}
 # Path prefixes of the python image's upper layers; everything else is the base layer.
 PYTHON_LAYERS = [
     ("toolchain", ("usr/lib/gcc", "usr/libexec/gcc", "usr/include", "usr/lib/git-core", "usr/share/git-core",
@@ -275,12 +279,12 @@ STOCK = {"busybox": ensure_busybox, "python": ensure_python, "cpp": ensure_cpp}
 
 def ensure_stock(store: ImageStore, only: list[str] | None = None, log: Log = print) -> dict[str, ImageInfo]:
     names = only or list(STOCK)
-    unknown = [n for n in names if n not in STOCK]
+    unknown = [n for n in names if n not in STOCK and n not in LAZY_STOCK]
     if unknown:
-        raise NotFound(f"unknown stock image(s) {unknown}; available: {', '.join(STOCK)}")
+        raise NotFound(f"unknown stock image(s) {unknown}; available: {', '.join([*STOCK, *LAZY_STOCK])}")
     out = {}
     for n in names:
-        info = STOCK[n](store, log)
+        info = STOCK[n](store, log) if n in STOCK else ensure_python(store, log, name=n, packages=LAZY_STOCK[n])
         for li in info.layers:
             store.ensure_layer(li)
         out[n] = info

@@ -301,11 +301,11 @@ class FusionService:
 
     def _image_missing(self, image: str, err: DSecError) -> str:
         """A stock image not built yet is built now, in the background (first use of cpp)."""
-        from dsec.images.stock import STOCK
+        from dsec.images.stock import LAZY_STOCK, STOCK
 
         name = image.split(":")[0]
         store = getattr(self.svc.node, "images", None)
-        if name not in STOCK or store is None:
+        if (name not in STOCK and name not in LAZY_STOCK) or store is None:
             return f"{err.message} (build or import image {image!r} on the server)"
         task = self._builds.get(name)
         if task is None or (task.done() and task.exception() is not None):
