@@ -156,6 +156,14 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
         app.include_router(fork_router)  # POST /v1/episodes/{id}/fork (issue 16)
         app.state.checkpoints = SandboxCheckpoints(services.settings, open_checkpoint_store(services.settings),
                                                    services.node)
+    else:
+        from dsec.cluster.router import ClusterRouter
+
+        if isinstance(services.node, ClusterRouter):  # capture on the sandbox's node, restore on any
+            from dsec.blobs import open_checkpoint_store
+            from dsec.cluster.checkpoints import ClusterCheckpoints
+            app.state.checkpoints = ClusterCheckpoints(services.settings, open_checkpoint_store(services.settings),
+                                                       services.node)
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).
     app.router.routes.sort(key=lambda r: _HOT.get(getattr(r, "path", ""), len(_HOT)))

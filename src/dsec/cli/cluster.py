@@ -38,10 +38,12 @@ def up(nodes: int = typer.Option(3, "--nodes", help="Number of DSec nodes (the R
     log = (lambda _m: None) if as_json else (lambda m: out.print(m, highlight=False))
     c = local.up(dir or default_dir(), nodes, [i for i in images.split(",") if i], log=log)
     if as_json:
-        print_json({"address": c.address, "nodes": [n.node_id for n in c.nodes], "dir": c.dir})
+        print_json({"address": c.address, "nodes": [n.node_id for n in c.nodes], "dir": c.dir,
+                    "env": local.shared_env(c)})
         return
+    env = " ".join(f"{k}='{v}'" for k, v in local.shared_env(c).items())
     out.print(f"cluster of {len(c.nodes)} nodes is up: {c.address}")
-    out.print(f"next: dsec serve --cluster {c.address}   (stop it with `dsec cluster down`)")
+    out.print(f"next: {env} dsec serve --cluster {c.address}   (stop it with `dsec cluster down`)", highlight=False)
 
 
 @app.command("down")

@@ -60,6 +60,8 @@ class LocalCluster(BaseModel):
     address: str = Field(..., description="ray://HOST:PORT to give `dsec serve --cluster`")
     dir: str
     temp_dir: str
+    checkpoints: str = Field("", description="The checkpoint store every node shares (give the API server "
+                             "the same: DSEC_CHECKPOINT_ROOTS)")
     nodes: list[LocalNode] = Field(default_factory=list)
     created_at: float = 0.0
 
@@ -80,8 +82,15 @@ def _ray_bin() -> str:
     return found
 
 
-def node_env(node: LocalNode, base: dict[str, str] | None = None) -> dict[str, str]:
+def shared_env(c: LocalCluster) -> dict[str, str]:
+    """What every process of the cluster shares, the API server included: the checkpoint
+    store (capture on one node, restore on another)."""
+    return {"DSEC_CHECKPOINT_ROOTS": json.dumps([c.checkpoints])} if c.checkpoints else {}
+
+
+def node_env(node: LocalNode, base: dict[str, str] | None = None, shared: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    env.update(shared or {})
     env.update({"DSEC_HOME": node.home, "DSEC_RUN_DIR": node.run_dir, "DSEC_NODE_ID": node.node_id,
                 "DSEC_CGROUP_PARENT": node.cgroup_parent, "DSEC_NET_CIDR": node.net_cidr,
                 "RAY_USAGE_STATS_ENABLED": "0"})
@@ -134,7 +143,7 @@ def _start_node(c: LocalCluster, node: LocalNode, head_port: int | None, images:
     with open(log, "ab") as fh:
         # Own session: a Ctrl-C in the terminal that ran `cluster up` does not reach it.
         p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                             env=node_env(node), start_new_session=True)
+                             env=node_env(node, shared=shared_env(c)), start_new_session=True)
     p.dsec_log = str(log)  # type: ignore[attr-defined]
     return p
 
@@ -214,7 +223,7 @@ def up(base_dir: Path, n: int, images: list[str] | None = None, timeout_s: float
     tag = f"{port}"
     temp_dir = f"/tmp/dsec-ray-{tag}"  # short: Ray's socket paths must fit in sun_path
     c = LocalCluster(address=f"ray://127.0.0.{FIRST_IP}:{port}", dir=str(base_dir), temp_dir=temp_dir,
-                     nodes=plan(base_dir, n, tag), created_at=time.time())
+                     checkpoints=str(base_dir / "checkpoints"), nodes=plan(base_dir, n, tag), created_at=time.time())
     _write_state(base_dir, c)  # recorded before anything is started
     for node in c.nodes:
         ensure_images(node, images if images is not None else ["busybox"], log)

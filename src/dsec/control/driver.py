@@ -508,7 +508,13 @@ class SchedulerDriver:
                 self.sched.on_failed(req.request_id, self.clock(), "resumption withdrawn", retriable=False)
                 return
             elif req.request_id in self._via:
-                info = await self._via[req.request_id](spec, self._sids.get(req.request_id) or "", req.tenant)
+                via = self._via[req.request_id]
+                restore = getattr(via, "restore", None)  # dsec.cluster.checkpoints.RestoreCreator
+                if restore is not None:  # built on the node placed here, which unpacks the checkpoint
+                    info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id) or None,
+                                              tenant=req.tenant, restore=restore)
+                else:
+                    info = await via(spec, self._sids.get(req.request_id) or "", req.tenant)
                 self._via.pop(req.request_id, None)
             elif p.kind == "pool":
                 # A pooled create stays "ready" with no TTL running until it is claimed.

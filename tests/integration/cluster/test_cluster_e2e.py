@@ -117,8 +117,9 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
     """Three real nodes: node ls shows them ready with busybox; sandboxes created through
     `dsec serve --cluster` land on more than one node and name it; exec and files work on
     every node; an image held only by node n1 places its sandboxes on n1 (a create on
-    another node would fail: the image is not there); the exec round trip is measured
-    against a single-node server."""
+    another node would fail: the image is not there); a checkpoint taken on one node is
+    restored on another (shared store); the exec round trip is measured against a
+    single-node server."""
     from dsec.api.launch import start_serve
 
     addr = cluster["address"]
@@ -130,7 +131,7 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
 
     (tmp_path / "img").mkdir()
     _import_only_on(Path(cluster["dir"]) / "n1", tmp_path / "img", "onlyb")
-    srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": addr}, timeout=240)
+    srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": addr, **cluster["env"]}, timeout=240)
     try:
         with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=120) as c:
             infos = [c.post("/v1/sandboxes", json={**SHAPE, "labels": {"i": str(i)}}).json() for i in range(6)]
@@ -152,6 +153,24 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
             assert r["stdout"] == "onlyb\n", r
             for o in only:
                 assert c.delete(f"/v1/sandboxes/{o['id']}").status_code == 204
+            # Checkpoint: captured on the sandbox's node, restored wherever the scheduler places it.
+            src = c.post("/v1/sandboxes", json=SHAPE).json()
+            assert c.put(f"/v1/sandboxes/{src['id']}/files", params={"path": "/work/state"},
+                         content=b"step 7").status_code == 204
+            ck = c.post(f"/v1/sandboxes/{src['id']}/checkpoints")
+            assert ck.status_code == 201, ck.text
+            assert c.delete(f"/v1/sandboxes/{src['id']}").status_code == 204
+            restored = []
+            for _ in range(3):
+                r = c.post(f"/v1/checkpoints/{ck.json()['id']}/restore", json={})
+                assert r.status_code == 201, r.text
+                restored.append(r.json())
+                got = c.get(f"/v1/sandboxes/{r.json()['id']}/files", params={"path": "/work/state"})
+                assert got.status_code == 200 and got.content == b"step 7", got.text
+            print("CHECKPOINT", src["node"], "->", [x["node"] for x in restored])
+            assert {x["node"] for x in restored} - {src["node"]}, (src, restored)  # restored on another node
+            for x in restored:
+                assert c.delete(f"/v1/sandboxes/{x['id']}").status_code == 204
         cluster_fig = _measure(srv.url, srv.token)
     finally:
         srv.proc.terminate()

@@ -148,3 +148,41 @@ async def test_router_list_survives_a_lost_node(tmp_path: Path) -> None:
     gone.list = broken  # type: ignore[method-assign]
     with pytest.raises(errors.SandboxFailure):
         await r.list()
+
+
+async def test_driver_builds_a_restore_on_the_node_it_placed(tmp_path: Path) -> None:
+    """A routed RestoreCreator is built by the scheduler driver as agent.create(restore=...)
+    on the node the scheduler chose (capacity is accounted where the sandbox really is),
+    from a checkpoint another node captured into the shared store."""
+    from dsec.cluster.checkpoints import RestoreCreator
+    from dsec.cluster.router import ClusterRouter
+    from dsec.config import Settings
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+    from dsec.node.api import RestoreSource
+    from dsec.testing import FakeCheckpointStore, FakeNodeAgent
+
+    s = Settings(home=tmp_path, batch_window_s=0.01)
+    shared = FakeCheckpointStore()
+    fakes = {n: FakeNodeAgent(s, node_id=n, checkpoints=shared) for n in ("n0", "n1")}
+    src = await fakes["n0"].create(SandboxSpec(image="busybox"), tenant="t1")
+    await fakes["n0"].write_file(src.id, "/w", b"7")
+    ck = await fakes["n0"].checkpoint(src.id, "t1")
+    called: list[str] = []
+
+    class Spy(RestoreCreator):
+        async def __call__(self, spec: SandboxSpec, sandbox_id: str, tenant: str):  # type: ignore[no-untyped-def]
+            called.append(sandbox_id)  # the driver must not use the router's own placement
+            return await super().__call__(spec, sandbox_id, tenant)
+
+    d = SchedulerDriver(Scheduler(s), fakes, s)
+    await d.start()
+    try:
+        via = Spy(ClusterRouter(fakes), RestoreSource(tenant="t1", checkpoint_id=ck.id))
+        spec = SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G")
+        info = await d.route(via)(spec, "sb-restored", "t1")
+        assert info.id == "sb-restored" and not called
+        assert d.sched.running[info.id].node_id == info.node
+        assert await fakes[info.node].read_file(info.id, "/w") == b"7"  # type: ignore[index]
+    finally:
+        await d.close()
