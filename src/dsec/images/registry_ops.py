@@ -148,6 +148,45 @@ def _json(raw: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
+def _unpack(store: ImageStore, layers: list[LayerInfo], progress: Progress | None) -> None:
+    """Unpack (verified) every layer. Tar parsing is GIL-bound Python: an image above
+    ``image_parallel_unpack_min_bytes`` with several missing layers is unpacked by up to
+    ``image_unpack_workers`` worker processes (``python -m dsec.images.worker``, biggest
+    layer first), as an import is; a failure is raised after every worker finished."""
+    import subprocess
+    import sys
+
+    from dsec.errors import error_from_dict
+
+    s = store.settings
+    todo = [li for li in layers if not store.layers.is_trusted(li.diff_id)]
+    if (len(todo) < 2 or s.image_unpack_workers < 2
+            or sum(li.size for li in todo) < s.image_parallel_unpack_min_bytes):
+        for li in layers:
+            store.ensure_layer(li, progress)
+        return
+    settings_json = s.model_dump_json()
+
+    def one(li: LayerInfo) -> None:
+        job = {"root": str(store.root), "settings": settings_json, "ensure": li.model_dump()}
+        proc = subprocess.run([sys.executable, "-m", "dsec.images.worker"], input=json.dumps(job).encode(),
+                              capture_output=True, check=False)
+        try:
+            reply = json.loads(proc.stdout)
+        except ValueError:
+            raise ImageError(f"layer {li.digest}: unpack worker died: "
+                             f"{proc.stderr.decode(errors='replace')[-500:]}") from None
+        if "error" in reply:
+            raise error_from_dict(reply["error"], 500)
+        store.misses += reply["misses"]
+        if progress:
+            progress(f"unpack {li.digest[7:19]}", li.size, li.size)
+
+    _run_bounded(one, sorted(todo, key=lambda li: -li.size), min(len(todo), s.image_unpack_workers))
+    for li in todo:
+        store.layers.mark_trusted(li.diff_id)  # verified by the worker that unpacked it
+
+
 def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure: bool = False,
          creds: Credentials | None = None, progress: Progress | None = None, unpack: bool = True) -> ImageInfo:
     """Pull ``HOST[:PORT]/REPO[:TAG|@DIGEST]`` into the store (verified), register it
@@ -202,8 +241,7 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
         store.lease(lease, [li.diff_id for li in layers])
         if unpack:
             new_layers += [li.diff_id for li in layers if not store.layers.present(li.diff_id)]
-            for li in layers:
-                store.ensure_layer(li, progress)  # digest + diff_id recomputed while unpacking
+            _unpack(store, layers, progress)  # digest + diff_id recomputed while unpacking
         info = store.register(config, layers, [name or ref.local_name()], raw)
         from dsec.images.ops import evict
         evict(store)

@@ -1,6 +1,8 @@
 """Layer import worker: ``python -m dsec.images.worker`` reads one JSON job on stdin
 (store root, settings, archive, layer plan), imports that layer (ingest + verified unpack,
-see ops._import_layer) and prints ``{"layer": ..., "misses": n}`` or ``{"error": ...}``."""
+see ops._import_layer) and prints ``{"layer": ..., "misses": n}`` or ``{"error": ...}``.
+A job ``{"root", "settings", "ensure": LayerInfo}`` instead unpacks (verified) one layer
+whose blob is already in the content store (a registry pull's layers)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,21 @@ def main() -> int:
     from dsec.images.store import ImageStore
 
     job = json.loads(sys.stdin.read())
+    if "ensure" in job:  # unpack one layer whose blob is already in the store (registry pull)
+        from dsec.models.image import LayerInfo
+
+        try:
+            st = ImageStore(Path(job["root"]), Settings.model_validate_json(job["settings"]))
+            li = LayerInfo.model_validate(job["ensure"])
+            try:
+                st.ensure_layer(li)
+            finally:
+                st.db.close()
+        except DSecError as exc:
+            print(json.dumps({"error": exc.to_dict()}))
+            return 1
+        print(json.dumps({"layer": li.model_dump(), "misses": st.misses}))
+        return 0
     archive = Path(job["archive"])
     try:
         st = ImageStore(Path(job["root"]), Settings.model_validate_json(job["settings"]))

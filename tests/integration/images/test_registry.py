@@ -207,3 +207,34 @@ def test_cli_push_pull_progress(store: ImageStore, registry: Registry, tmp_path:
     assert "pulled bb:from-reg" in out.stdout and "100%" in out.stderr
     ls = json.loads(run([DSEC, "image", "ls", "--json"], env=env2).stdout)
     assert ls[0]["names"] == ["bb:from-reg"] and ls[0]["id"] == store.resolve("busybox").id
+
+
+def test_multi_layer_pull_unpacks_in_workers(store: ImageStore, registry: Registry, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A several-layer image above image_parallel_unpack_min_bytes is unpacked by worker
+    processes after the pull (as an import is): every layer is sealed, verified and
+    trusted by the pulling process, with the right contents."""
+    from dsec.images.craft import CraftedImage, Entry, layer_tar, write_oci_layout
+
+    layers = [layer_tar([Entry("work/a.txt", b"layer a\n")]), layer_tar([Entry("work/b.txt", b"layer b\n")]),
+              layer_tar([Entry("etc/c.conf", b"c=1\n")])]
+    write_oci_layout(tmp_path / "three", CraftedImage(layers=layers, tag="v1"))
+    src = store.import_archive(tmp_path / "three", name="three:v1")
+    push(store, "three:v1", f"{registry.host}/three:v1")
+    import subprocess
+    spawned: list[object] = []
+    real_run = subprocess.run
+
+    def counting_run(argv, *a, **kw):  # type: ignore[no-untyped-def]
+        if "dsec.images.worker" in argv:
+            spawned.append(argv)
+        return real_run(argv, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    other = fresh_store(tmp_path, image_parallel_unpack_min_bytes=0, image_unpack_workers=2)
+    got = pull(other, f"{registry.host}/three:v1")
+    assert got.id == src.id and other.misses == 3 and len(spawned) == 3
+    assert all(other.layers.is_trusted(li.diff_id) for li in got.layers)  # no re-check in this process
+    dirs = other.layer_dirs(got.id)
+    assert (dirs[0] / "work/a.txt").read_text() == "layer a\n" and (dirs[2] / "etc/c.conf").read_text() == "c=1\n"
+    assert other.verify(got.names[0], deep=True) == {li.digest: None for li in got.layers}
