@@ -13,7 +13,9 @@ which ``dsec image ensure-stock`` builds).
 
 Registry pull (``run_pull``; ``dsec bench images-pull`` or ``python -m dsec.bench.images
 pull [REPORT_DIR]``): python image pushed to a local docker-registry, then pulled into an
-empty store vs ``skopeo copy docker://... oci:...`` of the same image, alternated, best of 3.
+empty store vs ``skopeo copy docker://... oci:...`` of the same image, alternated, best of 3;
+then a real ``dsec serve`` without the image: cold create (pulls from the registry) ->
+first exec, the pull time apart, and a warm create -> first exec.
 """
 
 from __future__ import annotations
@@ -235,7 +237,53 @@ def _pull_skopeo(ref: str, work: Path) -> tuple[float, float]:
     return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
-def run_pull(report_dir: Path | str = "bench-reports", rounds: int = 3) -> dict:
+def _cold_create(reg: _LocalRegistry, work: Path) -> dict:
+    """A real ``dsec serve`` whose store lacks the image, ``image_registry`` = the local
+    registry: create (which pulls) -> first exec, then a warm create -> first exec."""
+    import asyncio
+
+    import httpx
+
+    from dsec.api.launch import start_serve
+    from dsec.node.agent import LocalNodeAgent
+
+    home = work / "cold-node"
+    srv = start_serve(home, {"DSEC_IMAGE_REGISTRY": reg.host}, log_level="info")
+    out: dict = {}
+    try:
+        with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=600) as c:
+            for phase in ("cold", "warm"):
+                t0 = time.perf_counter()
+                r = c.post("/v1/sandboxes", json={"image": "bench/python:latest"})
+                r.raise_for_status()
+                t1 = time.perf_counter()
+                e = c.post(f"/v1/sandboxes/{r.json()['id']}/exec", json={"cmd": ["python3", "-c", "print(1)"]})
+                e.raise_for_status()
+                t2 = time.perf_counter()
+                out[phase] = {"create_s": t1 - t0, "first_exec_s": t2 - t1, "create_to_first_exec_s": t2 - t0}
+                c.delete(f"/v1/sandboxes/{r.json()['id']}")
+        log = srv.log.read_text(errors="replace")
+        pulled = [ln for ln in log.splitlines() if "pulled " in ln and "bench/python" in ln]
+        out["pull_s"] = float(pulled[-1].rsplit(" in ", 1)[1].rstrip("s")) if pulled else None
+        out["pull_share_of_cold_create"] = (out["pull_s"] / out["cold"]["create_s"]) if pulled else None
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(60)
+
+        async def reap() -> None:
+            node = LocalNodeAgent(load_settings(home=home))
+            await node.start()
+            try:
+                for info in await node.list():
+                    await node.destroy(info.id)
+            finally:
+                await node.close()
+
+        asyncio.run(reap())
+    return out
+
+
+def run_pull(report_dir: Path | str = "bench-reports", rounds: int = 3, cold_create: bool = True) -> dict:
     """Pull of the python image from a local registry into an empty DSEC store vs
     ``skopeo copy docker://... oci:...`` of the same image, alternated, best of N.
     Also: our push time, and pull + unpack (ready for a sandbox) as a separate figure."""
@@ -276,6 +324,7 @@ def run_pull(report_dir: Path | str = "bench-reports", rounds: int = 3) -> dict:
                      "skopeo_cpu_s_median": statistics.median(skopeo_cpu),
                      "ratio_cpu_median": statistics.median(ours_cpu) / statistics.median(skopeo_cpu)},
             "pull_and_unpack_s": min(unpacked),
+            "cold_create": _cold_create(reg, work) if cold_create else None,
             "concurrency": s.image_max_concurrent_pulls,
             "load_avg_1m": os.getloadavg()[0],
             "notes": "ours: blobs fsynced + digest-verified before rename, image registered (no unpack); "

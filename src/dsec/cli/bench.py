@@ -52,10 +52,12 @@ def images(out: Path = typer.Option(Path("reports"), help="report directory")) -
 
 @app.command("images-pull")
 def images_pull(rounds: int = typer.Option(3, help="alternated rounds (best and median reported)"),
+                cold_create: bool = typer.Option(True, help="also: cold create (pull) -> first exec on a server"),
                 out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
-    """Pull of the python image from a local registry into an empty store vs skopeo copy."""
+    """Pull of the python image from a local registry into an empty store vs skopeo copy;
+    cold create -> first exec with the pull time apart."""
     from dsec.bench.images import run_pull
-    _emit(run_pull(out, rounds=rounds), out, "images-pull-bench")
+    _emit(run_pull(out, rounds=rounds, cold_create=cold_create), out, "images-pull-bench")
 
 
 @app.command("exec-agent")
