@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from dsec.errors import (
     DigestMismatch,
     DSecError,
@@ -29,6 +31,7 @@ from dsec.errors import (
     ImageError,
     InvalidArgument,
     NotFound,
+    TransientError,
     Unauthorized,
 )
 from dsec.images import media
@@ -36,6 +39,8 @@ from dsec.images.fsutil import check_digest, digest_of
 from dsec.images.oci import normalize_name
 from dsec.images.registry import MAX_CONFIG_BYTES, Reference, RegistryClient, parse_reference, pick_platform
 from dsec.models.image import ImageInfo, LayerInfo
+
+FETCH_ATTEMPTS = 3  # per blob; only transient failures (connection broke, 5xx, 429) are retried
 
 if TYPE_CHECKING:
     from dsec.images.store import ImageStore, Progress
@@ -92,14 +97,19 @@ def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: s
             got = 0
             # Raw bytes as received (we asked for identity encoding): no re-chunking copies.
             raw = r.headers.get("content-encoding", "identity") in ("", "identity")
-            for chunk in (r.iter_raw() if raw else r.iter_bytes()):
-                got += len(chunk)
-                if got > size:
-                    raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
-                                         "descriptor names; nothing was stored", expected=digest)
-                w.write(chunk)
-                if progress:
-                    progress(digest[7:19], len(chunk), size)
+            try:
+                for chunk in (r.iter_raw() if raw else r.iter_bytes()):
+                    got += len(chunk)
+                    if got > size:
+                        raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
+                                             "descriptor names; nothing was stored", expected=digest)
+                    w.write(chunk)
+                    if progress:
+                        progress(digest[7:19], len(chunk), size)
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                raise TransientError(f"{what}: the connection to registry {rc.registry} broke after {got} of "
+                                     f"{size} bytes ({type(exc).__name__}: {exc}); nothing was stored",
+                                     registry=rc.registry, digest=digest) from exc
             if got != size:
                 raise DigestMismatch(f"{what}: the registry sent {got} of {size} bytes (truncated); nothing "
                                      "was stored", expected=digest)
@@ -224,7 +234,14 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
             def fetch(item: tuple[str, int, str]) -> None:
                 d, size, what = item
                 try:
-                    _fetch_blob(store, rc, ref, d, size, what, progress)
+                    for attempt in range(FETCH_ATTEMPTS):  # a broken connection / 5xx: start the blob again
+                        try:
+                            _fetch_blob(store, rc, ref, d, size, what, progress)
+                            return
+                        except TransientError:
+                            if attempt == FETCH_ATTEMPTS - 1:
+                                raise
+                            time.sleep(0.2 * 4 ** attempt)
                 except NotFound as exc:
                     raise NotFound(f"{what} is missing from registry {ref.registry} although the manifest "
                                    f"names it ({exc.message})", digest=d, registry=ref.registry) from exc

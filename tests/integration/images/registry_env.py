@@ -20,14 +20,14 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 USER, PASSWORD = "dsec-user", "s3cret-pw"
 
@@ -198,6 +198,7 @@ class FakeRegistry(ThreadServer):
         self.manifests = manifests          # reference -> (raw, media type)
         self.blobs = blobs
         self.blob_override: dict[str, bytes] = {}
+        self.break_times: dict[str, int] = {}  # digest -> how many more GETs die half-way
         self.hits: list[str] = []
         app = FastAPI()
 
@@ -220,6 +221,15 @@ class FakeRegistry(ThreadServer):
             if data is None:
                 return Response(json.dumps({"errors": [{"code": "BLOB_UNKNOWN", "message": "blob unknown"}]}),
                                 status_code=404, media_type="application/json")
+            if self.break_times.get(digest, 0) > 0:
+                self.break_times[digest] -= 1
+
+                def half_then_die() -> Iterator[bytes]:
+                    yield data[: len(data) // 2]
+                    raise ConnectionAbortedError("fake registry dies mid-transfer")
+
+                return StreamingResponse(half_then_die(), media_type="application/octet-stream",
+                                         headers={"content-length": str(len(data))})
             return Response(data, media_type="application/octet-stream")
 
         super().__init__(app)

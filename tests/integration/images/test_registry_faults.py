@@ -186,3 +186,25 @@ def test_lying_manifest_and_unknown_media_type(store: ImageStore, tmp_path: Path
         assert_untouched(st, before)
     finally:
         fake.stop()
+
+
+def test_registry_dies_mid_transfer(store: ImageStore, tmp_path: Path) -> None:
+    """A blob connection that breaks half-way is retried from the start (twice at most);
+    past that the pull is a TransientError naming the blob and the bytes received, and
+    nothing half-written stays."""
+    manifests, blobs = image_blobs(store, "busybox")
+    layer = store.resolve("busybox").layers[0].digest
+    fake = FakeRegistry(manifests, blobs)
+    try:
+        st = empty_store(tmp_path)
+        before = store_files(st.root)
+        fake.break_times[layer] = 5
+        with pytest.raises(TransientError) as ei:
+            pull(st, f"{fake.host}/bb:v1")
+        assert layer in ei.value.message and "broke after" in ei.value.message
+        assert fake.hits.count(layer) == 3 and fake.break_times[layer] == 2
+        assert_untouched(st, before)
+        fake.break_times[layer] = 2  # two breaks, then good bytes: the retries carry the pull
+        assert pull(st, f"{fake.host}/bb:v1").id == store.resolve("busybox").id
+    finally:
+        fake.stop()
