@@ -385,10 +385,14 @@ class RegistryClient:
             if int(r.headers.get("content-length") or 0) > MAX_MANIFEST_BYTES:
                 raise ImageError(f"{what}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
             buf = bytearray()
-            for chunk in r.iter_bytes():
-                buf += chunk
-                if len(buf) > MAX_MANIFEST_BYTES:
-                    raise ImageError(f"{what}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+            try:
+                for chunk in r.iter_bytes():
+                    buf += chunk
+                    if len(buf) > MAX_MANIFEST_BYTES:
+                        raise ImageError(f"{what}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+            except (httpx.TransportError, httpx.StreamError, httpx.DecodingError) as exc:
+                raise TransientError(f"registry {self.registry}: {what}: the connection broke while reading the "
+                                     f"manifest ({type(exc).__name__}: {exc})", registry=self.registry) from exc
         finally:
             r.close()
         mt = r.headers.get("content-type", "").split(";")[0].strip()
