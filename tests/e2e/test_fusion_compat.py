@@ -218,6 +218,7 @@ def _until_built(fusion_url: str, body: dict, limit_s: float = 900) -> tuple[dic
         time.sleep(2)
 
 
+@pytest.mark.timeout(1200)  # a fresh machine runs mmdebstrap for the nodejs image here (~2-3 min)
 def test_nodejs_image_built_on_first_use(fusion_url: str) -> None:
     """A language whose image is not on the server (nodejs) answers SandboxError 'being
     built ... progress: ...' while the stock image builds in the background, then runs."""
