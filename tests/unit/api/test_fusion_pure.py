@@ -43,8 +43,8 @@ def test_sandbox_path_confines_names() -> None:
 def test_build_upload_has_source_and_decoded_files() -> None:
     req = RunCodeRequest(code="print(1)", language="python",
                          files={"in/data.bin": base64.b64encode(b"\x00\x01").decode(), "skip": None})
-    tf = tarfile.open(fileobj=io.BytesIO(build_upload(req, LANGUAGES["python"])))
-    got = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
+    with tarfile.open(fileobj=io.BytesIO(build_upload(req, LANGUAGES["python"]))) as tf:
+        got = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
     assert got == {"work/in/data.bin": b"\x00\x01", "work/main.py": b"print(1)"}
     with pytest.raises(FusionInputError, match="base64"):
         build_upload(RunCodeRequest(code="", language="python", files={"x": "%%%"}), LANGUAGES["python"])
