@@ -296,7 +296,8 @@ class RegistryClient:
             raise ImageError(f"registry {self.registry}: Bearer challenge without a realm")
         # Ask for what we will do (e.g. pull,push) and for what the challenge named, if other.
         q = [("service", params["service"])] if params.get("service") else []
-        q += [("scope", sc) for sc in dict.fromkeys([scope, params.get("scope") or scope])]
+        # (a scope string may hold several space-separated scopes: one parameter each)
+        q += [("scope", sc) for sc in dict.fromkeys((scope + " " + (params.get("scope") or "")).split())]
         try:
             r = self._http.get(realm, params=q, auth=httpx.BasicAuth(*self._creds) if self._creds else None)
         except httpx.TransportError as exc:
@@ -414,13 +415,28 @@ class RegistryClient:
         return r.status_code == 200
 
     def upload_blob(self, repo: str, digest: str, path: Path, size: int, chunk_bytes: int = 0,
-                    progress: Callable[[int], None] | None = None) -> None:
+                    progress: Callable[[int], None] | None = None, mount_from: str | None = None) -> bool:
         """POST an upload session, then one monolithic PUT (chunk_bytes=0) or PATCH
-        chunks + a closing PUT. The blob's bytes are sent exactly as stored."""
+        chunks + a closing PUT. The blob's bytes are sent exactly as stored. With
+        ``mount_from`` (a repository of this registry believed to hold the blob) the POST
+        asks to mount it from there first: 201 = mounted, nothing sent (returns True);
+        202 = the registry declined and opened a normal upload session instead."""
         scope = self.scope(repo, push=True)
         what = f"upload of blob {digest} to {repo}"
-        r = self.request("POST", f"/v2/{repo}/blobs/uploads/", scope, what=what, ok=(202,),
-                         headers={"Content-Length": "0"})
+        path_q = f"/v2/{repo}/blobs/uploads/"
+        if mount_from:
+            try:
+                r = self.request("POST", f"{path_q}?mount={digest}&from={mount_from}",
+                                 f"{scope} {self.scope(mount_from)}", what=what, ok=(201, 202),
+                                 headers={"Content-Length": "0"})
+            except (NotFound, Forbidden, Unauthorized, ImageError):
+                r = None  # no access to the source repo (or no mount support): upload it
+            if r is not None and r.status_code == 201:
+                return True
+        else:
+            r = None
+        if r is None:
+            r = self.request("POST", path_q, scope, what=what, ok=(202,), headers={"Content-Length": "0"})
         loc = self._location(r, what)
 
         def reader(start: int, length: int) -> Callable[[], Iterator[bytes]]:
@@ -442,7 +458,7 @@ class RegistryClient:
             url = str(httpx.URL(loc).copy_merge_params({"digest": digest}))
             self.request("PUT", url, scope, what=what, ok=(201,), content=reader(0, size),
                          headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
-            return
+            return False
         off = 0
         while off < size:
             n = min(chunk_bytes, size - off)
@@ -453,6 +469,7 @@ class RegistryClient:
             off += n
         url = str(httpx.URL(loc).copy_merge_params({"digest": digest}))
         self.request("PUT", url, scope, what=what, ok=(201,), headers={"Content-Length": "0"})
+        return False
 
     def _location(self, r: httpx.Response, what: str) -> str:
         loc = r.headers.get("location")

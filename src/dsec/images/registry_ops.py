@@ -341,6 +341,26 @@ def resolve_or_pull(store: ImageStore, ref_text: str) -> ImageInfo:
 
 # --- push ---------------------------------------------------------------------------------
 
+def mount_sources(store: ImageStore, dest: Reference) -> dict[str, str]:
+    """blob digest -> another repository of ``dest``'s registry that should hold it: local
+    images are named by the reference they were pulled from (``HOST/REPO:TAG``), so a
+    blob of an image named after a repo of the same registry was in that repo."""
+    repos: dict[str, str] = {}  # image id -> repo
+    for name, image_id in store.db.q("SELECT name, image_id FROM names"):
+        try:
+            r = parse_reference(str(name))
+        except InvalidArgument:
+            continue
+        if r.registry == dest.registry and r.repository != dest.repository:
+            repos.setdefault(str(image_id), r.repository)
+    out: dict[str, str] = {}
+    for image_id, repo in repos.items():
+        out.setdefault(image_id, repo)  # the config blob
+        for (digest,) in store.db.q("SELECT digest FROM image_layers WHERE image_id=?", (image_id,)):
+            out.setdefault(str(digest), repo)
+    return out
+
+
 def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False,
          creds: Credentials | None = None, progress: Progress | None = None) -> str:
     """Push a local image to ``HOST[:PORT]/REPO[:TAG]``; returns the manifest digest
@@ -359,6 +379,8 @@ def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False
         store.content.verify(d, f"blob {d} of {image_ref}")  # never push bytes we cannot vouch for
     chunk = store.settings.registry_push_chunk_bytes
     with client_for(store, ref.registry, insecure, creds) as rc:
+        sources = mount_sources(store, ref)
+
         def send(item: tuple[str, int]) -> None:
             d, size = item
             if rc.blob_exists(ref.repository, d):
@@ -366,7 +388,10 @@ def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False
                     progress(f"{d[7:19]} (exists)", size, size)
                 return
             adv = (lambda n: progress(d[7:19], n, size)) if progress else None
-            rc.upload_blob(ref.repository, d, store.content.path(d), size, chunk, adv)
+            mounted = rc.upload_blob(ref.repository, d, store.content.path(d), size, chunk, adv,
+                                     mount_from=sources.get(d))
+            if mounted and progress:
+                progress(f"{d[7:19]} (mounted from {sources[d]})", size, size)
 
         uniq = list(dict.fromkeys(blobs))
         _run_bounded(send, uniq, max(1, store.settings.image_max_concurrent_pulls))

@@ -238,3 +238,30 @@ def test_multi_layer_pull_unpacks_in_workers(store: ImageStore, registry: Regist
     dirs = other.layer_dirs(got.id)
     assert (dirs[0] / "work/a.txt").read_text() == "layer a\n" and (dirs[2] / "etc/c.conf").read_text() == "c=1\n"
     assert other.verify(got.names[0], deep=True) == {li.digest: None for li in got.layers}
+
+
+def test_push_mounts_blobs_from_the_repo_they_came_from(store: ImageStore, registry: Registry, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image pulled from repo A of a registry, pushed to repo B of the same registry:
+    its blobs are cross-repository mounted (POST ?mount=&from=A, 201), no byte is
+    uploaded, and B reads back with the same digests."""
+    from dsec.images.registry import RegistryClient
+
+    push(store, "busybox", f"{registry.host}/team/a:v1")
+    other = fresh_store(tmp_path)
+    pull(other, f"{registry.host}/team/a:v1", unpack=False)
+    calls: list[tuple[str, str, int]] = []
+    real = RegistryClient.request
+
+    def spy(self, method, url, scope, **kw):  # type: ignore[no-untyped-def]
+        r = real(self, method, url, scope, **kw)
+        calls.append((method, str(url), r.status_code))
+        return r
+
+    monkeypatch.setattr(RegistryClient, "request", spy)
+    digest = push(other, f"{registry.host}/team/a:v1", f"{registry.host}/team/b:v1")
+    mounts = [c for c in calls if c[0] == "POST" and "mount=" in c[1]]
+    assert len(mounts) == 2 and all(c[2] == 201 and "from=team/a" in c[1] for c in mounts)  # config + layer
+    assert not [c for c in calls if c[0] in ("PUT", "PATCH") and "/blobs/uploads/" in c[1]]
+    info = json.loads(run(["skopeo", "inspect", "--tls-verify=false", f"docker://{registry.host}/team/b:v1"]).stdout)
+    assert info["Digest"] == digest and info["Layers"] == [li.digest for li in store.resolve("busybox").layers]
