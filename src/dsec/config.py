@@ -136,6 +136,7 @@ class Settings(BaseSettings):
     cgroup_parent: str = Field("dsec", description="Parent cgroup of this node's sandboxes (one per node on a shared box)")
     cluster: str | None = Field(None, description="Ray cluster to drive (ray://HEAD:PORT or HEAD:PORT); None: this machine only")
     cluster_agent_timeout_s: float = Field(60.0, description="Longest wait for a node agent actor to start or answer a control call")
+    cluster_membership_interval_s: float = Field(5.0, description="How often `dsec serve --cluster` looks for DSec nodes that joined")
 
     # --- images (SPEC §2) ------------------------------------------------------------
     image_cache_max_images: int = Field(20, description="Most recent images whose layers are kept")

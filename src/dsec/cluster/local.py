@@ -245,6 +245,26 @@ def up(base_dir: Path, n: int, images: list[str] | None = None, timeout_s: float
     return c
 
 
+def add_node(base_dir: Path, images: list[str] | None = None, timeout_s: float = 120.0,
+             log: Any = print) -> LocalNode:
+    """One more DSec node joining the running local cluster (`ray start --address`), as
+    another machine would; a `dsec serve --cluster` picks it up by itself."""
+    base_dir = base_dir.resolve()
+    c = read_state(base_dir)
+    if c is None or not any(_alive(x.pid) for x in c.nodes):
+        raise errors.InvalidArgument(f"no local cluster runs from {base_dir}; start one with `dsec cluster up`",
+                                     field="dir")
+    node = plan(base_dir, len(c.nodes) + 1, c.address.rpartition(":")[2])[-1]
+    c.nodes.append(node)
+    _write_state(base_dir, c)  # recorded before it starts: `down` stops it too
+    ensure_images(node, images if images is not None else ["busybox"], log)
+    p = _start_node(c, node, None, [])
+    node.pid = p.pid
+    _write_state(base_dir, c)
+    _wait_nodes(c.address, {x.node_id for x in c.nodes}, timeout_s, {node.node_id: p})
+    return node
+
+
 def _run(coro: Any) -> Any:
     """Run ``coro`` to completion from sync code, also when called inside an event loop
     (then on a helper thread with its own loop)."""

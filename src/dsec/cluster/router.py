@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from dsec import errors
@@ -61,11 +61,19 @@ class ClusterRouter:
         self.agents: dict[str, NodeAgent] = dict(agents)
         self.where: dict[str, str] = {}  # sandbox id -> node id
         self._started_at = 0.0
+        # Loops that live as long as the router (e.g. picking up nodes that join).
+        self.background: list[Callable[[], Awaitable[None]]] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     # --- routing ------------------------------------------------------------------------
     def _learn(self, info: SandboxInfo, node_id: str) -> SandboxInfo:
         self.where[info.id] = info.node or node_id
         return info
+
+    def add_node(self, node_id: str, agent: NodeAgent) -> None:
+        """A node that joined: the map is rebound, never mutated, so a call iterating the
+        old one (a cluster-wide list) finishes on the nodes it started with."""
+        self.agents = {**self.agents, node_id: agent}
 
     async def node_of(self, sandbox_id: str) -> str:
         nid = self.where.get(sandbox_id)
@@ -93,8 +101,13 @@ class ClusterRouter:
         await asyncio.gather(*(a.start() for a in self.agents.values()))
         self._started_at = time.time()
         await self.list()  # learn where every existing sandbox lives
+        self._tasks = [asyncio.create_task(loop(), name="dsec-cluster-bg") for loop in self.background]
 
     async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         await asyncio.gather(*(a.close() for a in self.agents.values()), return_exceptions=True)
 
     def capacity(self) -> NodeCapacity:
@@ -106,9 +119,10 @@ class ClusterRouter:
                          sandboxes=sum(u.sandboxes for u in us), active_execs=sum(u.active_execs for u in us))
 
     async def health(self) -> NodeHealth:
-        hs = await asyncio.gather(*(a.health() for a in self.agents.values()), return_exceptions=True)
+        agents = self.agents  # nodes may join meanwhile (add_node rebinds, never mutates)
+        hs = await asyncio.gather(*(a.health() for a in agents.values()), return_exceptions=True)
         problems = [f"{n}: {h}" if isinstance(h, BaseException) else f"{n}: {p}"
-                    for n, h in zip(self.agents, hs)
+                    for n, h in zip(agents, hs)
                     for p in ([h] if isinstance(h, BaseException) else h.problems)]
         ok = [h for h in hs if isinstance(h, NodeHealth)]
         return NodeHealth(node_id=self.node_id, ok=bool(ok) and not problems, pid=os.getpid(),
@@ -124,8 +138,9 @@ class ClusterRouter:
 
     async def layer_indexes(self) -> dict[str, LayerIndex]:
         """Each node's own index (the scheduler's image-aware placement input)."""
-        idx = await asyncio.gather(*(a.layer_index() for a in self.agents.values()))
-        return dict(zip(self.agents, idx))
+        agents = self.agents
+        idx = await asyncio.gather(*(a.layer_index() for a in agents.values()))
+        return dict(zip(agents, idx))
 
     async def resolve_image(self, ref: str) -> ImageLayers:
         for r in await asyncio.gather(*(a.resolve_image(ref) for a in self.agents.values()), return_exceptions=True):
@@ -154,9 +169,10 @@ class ClusterRouter:
     async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]:
         """Every reachable node's sandboxes: a lost node's sandboxes are unreachable (they
         answer NodeLost one by one) and must not take the whole cluster's listing down."""
-        per = await asyncio.gather(*(a.list(labels, tenant) for a in self.agents.values()), return_exceptions=True)
+        agents = self.agents
+        per = await asyncio.gather(*(a.list(labels, tenant) for a in agents.values()), return_exceptions=True)
         out = []
-        for nid, infos in zip(self.agents, per):
+        for nid, infos in zip(agents, per):
             if isinstance(infos, errors.NodeLost):
                 log.warning("listing node %s: %s", nid, infos.message)
                 continue

@@ -11,6 +11,7 @@ Not yet over the cluster (a single-node server keeps them): image management rou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -51,9 +52,72 @@ def build_cluster(settings: Settings) -> Any:
     # As on one machine: SQLite under HOME, or the Redis every API server shares (--state).
     state = state_for(settings.state_url, settings.home, settings.api_retry_after_s, settings.state_timeout_s)
     services = Services.build(settings, router, state, images=None)
-    if settings.api_scheduler:
-        services.attach_scheduler(scheduler(settings, router))
+    driver = scheduler(settings, router) if settings.api_scheduler else None
+    if driver is not None:
+        services.attach_scheduler(driver)
+    joins = Membership(settings, router, driver)
+    router.background.append(joins.run)
     return services
+
+
+class Membership:
+    """Picks up DSec nodes that join the Ray cluster after the server started: starts
+    their agent, adds them to the router and (with their layer index) to the scheduler."""
+
+    def __init__(self, settings: Settings, router: Any, driver: Any | None) -> None:
+        self.settings, self.router, self.driver = settings, router, driver
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.cluster_membership_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # the next pass retries; serving goes on
+                log.exception("looking for new cluster nodes failed")
+
+    async def refresh(self) -> list[str]:
+        from dsec.cluster.ray import RayNodeProxy, dsec_nodes, ensure_agent
+
+        nodes = await asyncio.to_thread(dsec_nodes)
+        added = []
+        for nid in sorted(n for n, info in nodes.items() if info.get("Alive") and n not in self.router.agents):
+            proxy = RayNodeProxy(nid, await asyncio.to_thread(ensure_agent, nid),
+                                 self.settings.cluster_agent_timeout_s)
+            await proxy.start()
+            index = await proxy.layer_index()
+            if self.driver is not None:  # placeable from now on, its images known
+                cap = proxy.capacity()
+                self.driver.sched.upsert_node(nid, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
+                                              isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels,
+                                              layers=index.digests())
+                self.driver.agents = {**self.driver.agents, nid: proxy}
+                catalog = getattr(self.driver, "images_catalog", None)
+                if catalog is not None:
+                    catalog.add(index)
+            self.router.add_node(nid, proxy)
+            added.append(nid)
+            log.info("node %s joined the cluster", nid)
+        return added
+
+
+class ImageCatalog:
+    """image ref -> (layers, image id) from the nodes' layer indexes: the scheduler's
+    image resolver (it registers an image's layers on first sight)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, tuple[list[tuple[str, int]], str]] = {}
+
+    def add(self, index: Any) -> None:
+        for img in index.images:
+            for name in img.names:
+                for ref in (name, name.removesuffix(":latest")):
+                    self.by_name.setdefault(ref, ([tuple(x) for x in img.layers], img.image_id))  # type: ignore[misc]
+
+    def __call__(self, ref: str) -> tuple[list[tuple[str, int]], str]:
+        hit = self.by_name.get(ref)
+        if hit is None:
+            raise errors.NotFound(f"image {ref!r} is on no node of the cluster; import it on a node", image=ref)
+        return hit
 
 
 def scheduler(settings: Settings, router: Any) -> Any:
@@ -62,24 +126,15 @@ def scheduler(settings: Settings, router: Any) -> Any:
     from dsec.control.scheduler import Scheduler
 
     indexes = _run(router.layer_indexes())
-    by_name: dict[str, tuple[list[tuple[str, int]], str]] = {}
+    catalog = ImageCatalog()
     for idx in indexes.values():
-        for img in idx.images:
-            for name in img.names:
-                for ref in (name, name.removesuffix(":latest")):
-                    by_name.setdefault(ref, ([tuple(x) for x in img.layers], img.image_id))  # type: ignore[misc]
-
-    def resolve(ref: str) -> tuple[list[tuple[str, int]], str]:
-        hit = by_name.get(ref)
-        if hit is None:
-            raise errors.NotFound(f"image {ref!r} is on no node of the cluster (as of the server's start); "
-                                  "import it on a node and restart the server", image=ref)
-        return hit
-
+        catalog.add(idx)
     sched = Scheduler(settings)
     for nid, agent in router.agents.items():  # where each image's layers already are
         cap = agent.capacity()
         sched.upsert_node(nid, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
                           isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels,
                           layers=indexes[nid].digests())
-    return SchedulerDriver(sched, router.agents, settings, image_resolver=resolve)
+    driver = SchedulerDriver(sched, router.agents, settings, image_resolver=catalog)
+    driver.images_catalog = catalog  # type: ignore[attr-defined]  # grown by Membership
+    return driver
