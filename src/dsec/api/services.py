@@ -58,6 +58,7 @@ class Services:
         if images is not None:
             store = images
             seen: dict[str, float] = {}  # ref -> when it last resolved (skip the thread hop)
+            lookups: dict[str, asyncio.Future[Any]] = {}  # ref -> lookup/pull in flight
 
             async def check(ref: str) -> None:  # NotFound naming the image, before any queueing
                 now = time.monotonic()
@@ -65,7 +66,20 @@ class Services:
                     return
                 # A missing image with a registry is pulled here, before any queueing
                 # (images/registry_ops.resolve_or_pull: single flight per ref, logged progress).
-                await asyncio.to_thread(getattr(store, "resolve_or_pull", store.resolve_fast), ref)
+                # Concurrent checks of one ref share one worker thread, so creates waiting
+                # for a pull never pile up in (and starve) the default thread pool.
+                lookup = lookups.get(ref)
+                if lookup is None:
+                    lookup = asyncio.ensure_future(
+                        asyncio.to_thread(getattr(store, "resolve_or_pull", store.resolve_fast), ref))
+                    lookups[ref] = lookup
+                    def done(f: asyncio.Future[Any], ref: str = ref) -> None:
+                        lookups.pop(ref, None)
+                        if not f.cancelled():
+                            f.exception()  # retrieved even if every waiter went away
+
+                    lookup.add_done_callback(done)
+                await asyncio.shield(lookup)
                 if len(seen) > 4096:
                     seen.clear()
                 seen[ref] = now
