@@ -156,6 +156,11 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
         app.include_router(fork_router)  # POST /v1/episodes/{id}/fork (issue 16)
         app.state.checkpoints = SandboxCheckpoints(services.settings, open_checkpoint_store(services.settings),
                                                    services.node)
+        # One set of per-sandbox trackers: NodeAgent.checkpoint / create(restore=) on this
+        # node and the routes share them (incremental checkpoints stay incremental).
+        share = getattr(services.node, "use_checkpoints", None)  # LocalNodeAgent (in-process node)
+        if share is not None:
+            share(app.state.checkpoints)
     else:
         from dsec.cluster.router import ClusterRouter
 
