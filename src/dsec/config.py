@@ -179,6 +179,10 @@ class Settings(BaseSettings):
     node_sync_interval_s: float = Field(5.0, description="How often the scheduler re-lists its nodes' sandboxes")
     warm_fast_path_max_queue: int = Field(64, description="Warm hand-over skips the batch window while the queue is this short")
     cpu_request_ratio: float = Field(0.25, description="CPU reserved per sandbox = its CPU cap x this")
+    memory_request_ratio: float = Field(1.0, gt=0, le=1, description="Memory reserved per sandbox = its memory "
+                                        "limit x this (idle-heavy RL loads lower it with the CPU one)")
+    disk_request_ratio: float = Field(0.01, gt=0, le=1, description="Disk reserved per sandbox = its disk quota x "
+                                      "this: a quota caps a tmpfs charged to the sandbox's memory, not disk")
     warm_pool_factor: float = Field(1.2, description="Pool target = peak concurrency x this")
     warm_pool_window_s: float = Field(600.0, description="Window for observed peak concurrency")
     warm_pool_max_idle_s: float = Field(1800.0, description="Idle pool members expire after this")

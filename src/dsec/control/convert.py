@@ -20,15 +20,19 @@ def spec_to_request(spec: SandboxSpec, tenant: str, request_id: str, s: Settings
     The sandbox's ``cpu`` is its cgroup cap; the scheduler reserves ``cpu x
     cpu_request_ratio`` of it (Kubernetes' request vs limit): agent sandboxes spend most of
     their life waiting for the model, and the usage-based overcommit guard stops admitting
-    when measured load says the node is really busy."""
+    when measured load says the node is really busy. Memory and disk likewise reserve
+    ``memory_request_ratio`` / ``disk_request_ratio`` of their limits (the limits stay the
+    sandbox's cgroup limit and tmpfs quota)."""
     mem = spec.memory if isinstance(spec.memory, int) else parse_bytes(spec.memory or s.default_memory)
     disk = spec.disk if isinstance(spec.disk, int) else parse_bytes(spec.disk or s.default_disk)
     limit = spec.cpu or s.default_cpu
-    return Request(request_id, tenant, spec.image, cpu_request(limit, s), mem, disk,
+    mem_req, disk_req = share_request(mem, s.memory_request_ratio), share_request(disk, s.disk_request_ratio)
+    return Request(request_id, tenant, spec.image, cpu_request(limit, s), mem_req, disk_req,
                    PRIORITIES[spec.priority], spec.isolation or s.default_isolation, spec.gpu,
                    spec.network is not None, spec.timeout or s.default_timeout_s, dict(spec.labels),
                    task_type=task_type or spec.labels.get("task"), owner=owner, payload=spec,
-                   cpu_limit=limit)
+                   cpu_limit=limit, memory_limit=mem if mem_req != mem else 0,
+                   disk_limit=disk if disk_req != disk else 0)
 
 
 def pool_can_serve(spec: SandboxSpec, s: Settings) -> bool:
@@ -42,6 +46,15 @@ def pool_can_serve(spec: SandboxSpec, s: Settings) -> bool:
 def lease_key(tenant: str, owner: str) -> str:
     """Leases are per tenant: two tenants may both call their run "r1"."""
     return f"{tenant}/{owner}"
+
+
+def share_request(limit: int, ratio: float) -> int:
+    """Bytes reserved for a memory limit / disk quota of ``limit`` (whole MiB, so equal
+    shapes stay equal; at least 1 MiB)."""
+    if ratio >= 1.0:
+        return limit
+    mib = 1 << 20
+    return max(mib, round(limit * ratio / mib) * mib)
 
 
 def cpu_request(limit: float, s: Settings) -> float:

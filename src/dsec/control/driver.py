@@ -24,7 +24,16 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
-from dsec.control.convert import OWNER_LABEL, POOL_LABEL, cpu_request, lease_key, pool_can_serve, spec_to_request
+from dsec.control.convert import (
+    OWNER_LABEL,
+    POOL_LABEL,
+    cpu_request,
+    lease_key,
+    pool_can_serve,
+    share_request,
+    spec_to_request,
+)
+from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
 from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
@@ -106,8 +115,9 @@ class SchedulerDriver:
             if info.started_at is not None:
                 left = max(0.0, info.timeout - (time.time() - info.started_at))
             owner = info.labels.get(OWNER_LABEL)
-            self.sched.adopt(node_id, info.id, info.tenant or "", cpu_request(info.cpu, self.s), info.memory,
-                             info.disk, now, ttl_left=left, labels=info.labels,
+            self.sched.adopt(node_id, info.id, info.tenant or "", cpu_request(info.cpu, self.s),
+                             share_request(info.memory, self.s.memory_request_ratio),
+                             share_request(info.disk, self.s.disk_request_ratio), now, ttl_left=left, labels=info.labels,
                              owner=lease_key(info.tenant or "", owner) if owner else None)
 
     async def _sync_nodes(self) -> None:
@@ -264,14 +274,17 @@ class SchedulerDriver:
         up. Returns False when it was placed meanwhile (then it is waited for)."""
         t = self.sched.tickets.get(request_id)
         position = t.position if t is not None else 0
+        req = self.sched.pending.get(request_id)
+        why = refusal_reason(req, list(self.sched.cluster.nodes.values()), self.s.overcommit_ratio,
+                             self.s.overcommit_threshold) if req is not None else "no room"
         if t is None or t.state != "queued" or not self.sched.cancel(request_id):
             return False
         self._sids.pop(request_id, None)
         self._via.pop(request_id, None)
         ra = retry_after_s(self.sched.depth(), self.s, self.sched.drain_rate)
         err = Overloaded(f"request {request_id!r} found no node with room within {self.s.api_create_wait_s:g}s "
-                         f"(queue position {position}); it was withdrawn: retry after {ra:g}s, or free "
-                         "capacity (kill idle sandboxes, ask for less cpu/memory)", retry_after=ra)
+                         f"(queue position {position}): {why}. It was withdrawn: retry after {ra:g}s, or free "
+                         "capacity (kill idle sandboxes, ask for less)", retry_after=ra, resource=why)
         fut = self._waiters.pop(request_id, None)
         if fut is not None and not fut.done():
             fut.set_exception(err)
@@ -477,7 +490,9 @@ class SchedulerDriver:
             for rid, req in list(self.sched.pending.items()):
                 if req.resume_of == sandbox_id:
                     self.sched.cancel(rid)
-            self.sched.adopt(node_id, sandbox_id, tenant, cpu_request(info.cpu, self.s), info.memory, info.disk,
+            self.sched.adopt(node_id, sandbox_id, tenant, cpu_request(info.cpu, self.s),
+                             share_request(info.memory, self.s.memory_request_ratio),
+                             share_request(info.disk, self.s.disk_request_ratio),
                              self.clock(), labels=info.labels)
             raise
         self._preempted[sandbox_id] = (tenant, checkpoint_id)
@@ -492,7 +507,8 @@ class SchedulerDriver:
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
-            spec = SandboxSpec(image=req.image, cpu=req.cpu_limit or req.cpu, memory=req.memory, disk=req.disk,
+            spec = SandboxSpec(image=req.image, cpu=req.cpu_limit or req.cpu, memory=req.memory_limit or req.memory,
+                               disk=req.disk_limit or req.disk,
                                isolation=req.isolation,  # type: ignore[arg-type]
                                network=[] if req.network else None, labels={POOL_LABEL: "1"},
                                timeout=7 * 24 * 3600)

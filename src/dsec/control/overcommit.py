@@ -116,3 +116,48 @@ def could_ever_fit(node: Node, req: Request, ratio: float) -> bool:
             and req.disk <= node.disk and req.isolation in node.isolation
             and (req.gpu is None or node.gpus.get(req.gpu, 0) > 0)
             and all(node.labels.get(k) == v for k, v in req.selector.items()))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}G" if abs(n) >= 2**30 else f"{n / 2**20:.0f}M"
+
+
+def shortfalls(node: Node, req: Request, ratio: float, threshold: float) -> list[str]:
+    """What ``node`` is short of for ``req``, each named with its figures and the setting
+    that shapes it ([] = it fits by resources). Pure: the words of a 429."""
+    out: list[str] = []
+    if not node.healthy:
+        out.append("health (node unhealthy)")
+    if req.isolation not in node.isolation:
+        out.append(f"isolation ({req.isolation!r} not available)")
+    if node.predicted >= threshold:
+        out.append(f"measured CPU load ({node.predicted:.0%} predicted; admission stops at {threshold:.0%}, "
+                   "DSEC_OVERCOMMIT_THRESHOLD)")
+    cpu_cap = node.cpu * ratio
+    if node.used_cpu + req.cpu > cpu_cap + 1e-9:
+        out.append(f"cpu ({req.cpu:g} asked, {max(0.0, cpu_cap - node.used_cpu):.3g} of {cpu_cap:.3g} left; "
+                   "a sandbox reserves its cpu x DSEC_CPU_REQUEST_RATIO)")
+    mem_cap = node.memory * ratio
+    if node.used_memory + req.memory > mem_cap:
+        out.append(f"memory ({_gib(req.memory)} asked, {_gib(max(0.0, mem_cap - node.used_memory))} of "
+                   f"{_gib(mem_cap)} left; a sandbox reserves its memory x DSEC_MEMORY_REQUEST_RATIO)")
+    if node.used_disk + req.disk > node.disk:
+        out.append(f"disk ({_gib(req.disk)} asked, {_gib(max(0, node.disk - node.used_disk))} of "
+                   f"{_gib(node.disk)} thin-provisioned left; a sandbox reserves its disk x DSEC_DISK_REQUEST_RATIO)")
+    if node.count >= node.max_sandboxes:
+        out.append(f"sandbox count ({node.count} of {node.max_sandboxes}, DSEC_NODE_MAX_SANDBOXES)")
+    if req.gpu is not None and node.gpu_used.get(req.gpu, 0) >= node.gpus.get(req.gpu, 0):
+        out.append(f"gpu {req.gpu!r} ({node.gpu_used.get(req.gpu, 0)} of {node.gpus.get(req.gpu, 0)} in use)")
+    return out
+
+
+def refusal_reason(req: Request, nodes: list[Node], ratio: float, threshold: float) -> str:
+    """Why no node took ``req``: the shortfalls of the node closest to fitting (fewest)."""
+    if not nodes:
+        return "no node is registered"
+    best = min(nodes, key=lambda n: len(shortfalls(n, req, ratio, threshold)))
+    short = shortfalls(best, req, ratio, threshold)
+    if not short:
+        return f"node {best.node_id} had room by the time of this answer (retry now)"
+    return f"{'node ' + best.node_id + ' ' if len(nodes) > 1 else ''}out of " + "; ".join(short)
+

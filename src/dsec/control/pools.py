@@ -123,7 +123,8 @@ class PoolBook:
             for _ in range(n):
                 self._seq += 1
                 req = Request(f"pool-{self._seq}", self.TENANT, shape[0], shape[2], shape[3], shape[4], LOW,
-                              shape[1], None, shape[5], 0.0, submitted_at=now, cpu_limit=shape[6])
+                              shape[1], None, shape[5], 0.0, submitted_at=now, cpu_limit=shape[6],
+                              memory_limit=shape[7], disk_limit=shape[8])
                 choice = sched.policy.choose(req, image, sched.cluster, sched.rng)
                 if choice is None or choice[0].warm_count + choice[0].inflight >= cap:
                     break

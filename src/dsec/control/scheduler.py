@@ -401,7 +401,8 @@ class Scheduler:
             new = Request(f"{old.request_id}~resume{self._seq}", old.tenant, old.image, old.cpu, old.memory,
                           old.disk, old.priority, old.isolation, old.gpu, old.network, old.ttl, old.labels,
                           old.selector, old.task_type, old.owner, submitted_at=now, resume_of=r.sandbox_id,
-                          payload=old.payload, cpu_limit=old.cpu_limit)
+                          payload=old.payload, cpu_limit=old.cpu_limit, memory_limit=old.memory_limit,
+                          disk_limit=old.disk_limit)
             self.queues.push(new)
             self.pending[new.request_id] = new
             self.tickets[new.request_id] = Ticket(new.request_id, "queued")

@@ -17,7 +17,7 @@ PRIORITY_NAMES: tuple[str, ...] = ("high", "medium", "low")
 
 # (image, isolation, cpu request, memory, disk, network, cpu cap or 0): sandboxes of one
 # shape are interchangeable.
-Shape = tuple[str, str, float, int, int, bool, float]
+Shape = tuple[str, str, float, int, int, bool, float, int, int]
 
 
 @dataclass(slots=True)
@@ -75,6 +75,10 @@ class Request:
     # The sandbox's CPU cap (cgroup limit) when it differs from ``cpu``, the share the
     # scheduler reserves: agents idle while the model thinks, so requests < limits.
     cpu_limit: float = 0.0
+    # Likewise the memory limit and disk quota when the reservation is a fraction of them
+    # (``memory_request_ratio``, ``disk_request_ratio``); 0 = same as ``memory``/``disk``.
+    memory_limit: int = 0
+    disk_limit: int = 0
     cold: bool = False  # a warm hand-over failed: create this one fresh
     asked: tuple[float, int] | None = None  # (cpu, memory) before right-sizing changed them
 
@@ -83,7 +87,8 @@ class Request:
         # Pools are keyed by what was asked, not by the right-sized reservation: a declared
         # pool keeps matching once a task type's history starts resizing its requests.
         cpu, memory = self.asked if self.asked is not None else (self.cpu, self.memory)
-        return (self.image, self.isolation, cpu, memory, self.disk, self.network, self.cpu_limit)
+        return (self.image, self.isolation, cpu, memory, self.disk, self.network, self.cpu_limit,
+                self.memory_limit, self.disk_limit)
 
 
 @dataclass(slots=True)
