@@ -133,3 +133,24 @@ def runcode(calls: int = typer.Option(512, help="/run_code calls (and bare pytho
         report = run(calls=calls, concurrency=concurrency, podman_calls=podman_calls, reset_rounds=resets,
                      progress=lambda m: status.update(m))
     _emit(report, out, "runcode-bench")
+
+
+@app.command()
+def speed(only: str = typer.Option("warm,sdk,gvisor,density,episodes,cold",
+                                   help="comma-separated rows: warm, sdk, gvisor, density, episodes, cold"),
+          rounds: int = typer.Option(20, help="warm/cold rounds"),
+          samples: int = typer.Option(300, help="paired SDK overhead samples"),
+          gvisor_n: int = typer.Option(200, help="exec round trips per tier"),
+          idle: int = typer.Option(1000, help="idle sandboxes held at once"),
+          episode_s: float = typer.Option(20.0, help="seconds of create -> exec -> destroy"),
+          workers: int = typer.Option(8, help="concurrent episode workers"),
+          out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """Issue 15's table (warm hand-over, SDK overhead, gVisor exec, density, episodes/s,
+    cold start), each row with its baseline from the same run."""
+    from dsec.bench.speed import run
+    with console.status("benchmarking speed and density") as status:
+        report = run(tuple(x for x in only.split(",") if x), rounds, samples, gvisor_n, idle, episode_s, workers,
+                     progress=lambda m: status.update(m))
+    _emit(report, out, "speed-bench")
+    print(report["table"])
+
