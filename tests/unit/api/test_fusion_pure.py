@@ -78,3 +78,35 @@ def test_fusion_key_follows_the_token_hash() -> None:
     a, b = fusion_key("h1"), fusion_key("h2")
     assert a != b and len(a) == 40 and "h1" not in a
     assert fusion_url("http://127.0.0.1:7070/", "h1") == f"http://127.0.0.1:7070/fusion/{a}"
+
+
+async def test_burst_of_first_calls_all_authenticate() -> None:
+    """Regression: with an async state store, concurrent first calls on a fresh server got
+    401 while the first one was still reading the tenant list (seen in the run_code bench)."""
+    import asyncio
+    import types
+
+    from dsec.api.compat.fusion import FusionService
+    from dsec.config import Settings
+    from dsec.state.store import TenantRecord
+
+    rec = TenantRecord(name="t1", uid="T1", token_hash="h1", admin=False, created_at=0.0)
+
+    class SlowAsyncState:
+        reads = 0
+
+        async def list_tenants(self) -> list[TenantRecord]:
+            SlowAsyncState.reads += 1
+            await asyncio.sleep(0.05)
+            return [rec]
+
+        async def get_tenant(self, name: str) -> TenantRecord | None:
+            await asyncio.sleep(0)
+            return rec if name == "t1" else None
+
+    svc = types.SimpleNamespace(settings=Settings(), state=SlowAsyncState())
+    fusion = FusionService(svc)  # type: ignore[arg-type]
+    got = await asyncio.gather(*(fusion.tenant_for_key(fusion_key("h1")) for _ in range(20)))
+    assert [g.name if g else None for g in got] == ["t1"] * 20
+    assert SlowAsyncState.reads == 1
+    assert await fusion.tenant_for_key(fusion_key("other")) is None

@@ -212,7 +212,8 @@ class FusionService:
         self.settings = services.settings
         self.pools = FusionPools(services)
         self._keys: dict[str, str] = {}  # fusion key -> tenant name
-        self._keys_read = 0.0
+        self._keys_read = -1e9
+        self._keys_lock = asyncio.Lock()
         self._verified: dict[str | None, tuple[TenantRecord, float]] = {}
         self._builds: dict[str, asyncio.Task[None]] = {}
         self._build_log: dict[str, str] = {}
@@ -231,11 +232,15 @@ class FusionService:
             rec = await _state(self.svc.state.get_tenant, name) if name else None
         else:
             name = self._keys.get(key)
-            if name is None and now - self._keys_read > KEY_REFRESH_S:
-                self._keys_read = now
-                self._keys = {fusion_key(t.token_hash): t.name
-                              for t in await _state(self.svc.state.list_tenants)}
-                name = self._keys.get(key)
+            if name is None:
+                # One re-read at a time; callers that queued behind it see its result (a
+                # burst of first calls must not be refused while the first one reads).
+                async with self._keys_lock:
+                    name = self._keys.get(key)
+                    if name is None and time.monotonic() - self._keys_read > KEY_REFRESH_S:
+                        keys = {fusion_key(t.token_hash): t.name for t in await _state(self.svc.state.list_tenants)}
+                        self._keys, self._keys_read = keys, time.monotonic()
+                        name = keys.get(key)
             rec = await _state(self.svc.state.get_tenant, name) if name is not None else None
             if rec is not None and fusion_key(rec.token_hash) != key:  # token re-issued / tenant removed
                 self._keys.pop(key, None)
