@@ -67,7 +67,7 @@ def test_doctor_names_each_injected_fault(server: Server, fault: str) -> None:
     elif fault == "small_disk":
         env["DSEC_DOCTOR_MIN_FREE_DISK"] = "1000000T"
     elif fault == "redis_down":
-        env.update(DSEC_STATE_BACKEND="redis", DSEC_REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0")
+        env["DSEC_STATE_URL"] = f"redis://127.0.0.1:{_free_port()}/0"
     elif fault == "no_server":
         env["DSEC_URL"] = f"http://127.0.0.1:{_free_port()}"
     elif fault == "bad_token":

@@ -324,7 +324,7 @@ def check_services(settings: Settings) -> list[Check]:
     out = []
     if settings.state_backend == "redis":
         out.append(_tcp("redis", settings.redis_url, "start Redis (`redis-server --daemonize yes`) or fix "
-                                                     "DSEC_REDIS_URL"))
+                                                     "DSEC_STATE_URL"))
     if settings.blob_backend == "s3" and settings.s3_endpoint:
         out.append(_tcp("s3", settings.s3_endpoint, "start the S3 endpoint or fix DSEC_S3_ENDPOINT"))
     # The Ray cluster (DSEC_CLUSTER: ray://HEAD:PORT or HEAD:PORT) and an image registry,

@@ -2,8 +2,9 @@
 
 Why not the SDK here: importing it costs ~0.3 s (httpx, pydantic, pydantic-settings, the
 node models) before the first byte is sent, and a CLI command must answer at once
-(``dsec ps`` <= 150 ms). This path uses only the standard library (``http.client``) and
-``dsec.errors``; the wire format is the API's, so answers are plain JSON dicts.
+(``dsec ps`` <= 150 ms). This path uses only the standard library (a plain socket: even
+``http.client`` costs ~20 ms of imports, the ``email`` package mostly) and ``dsec.errors``;
+the wire format is the API's, so answers are plain JSON dicts.
 
 ``resolve_target`` finds the server and token exactly as ``dsec.sdk._config.
 resolve_config`` does (env > ``DSEC_CONFIG`` TOML > defaults; ``DSEC_HOME/server.json``
@@ -12,9 +13,9 @@ and ``DSEC_HOME/token`` when unset); ``tests/unit/cli/test_wire.py`` keeps the t
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -92,6 +93,128 @@ def resolve_target(env: Mapping[str, str] | None = None) -> Target:
                   backoff_max_s=s["client_backoff_max_s"], token_source=source)
 
 
+class _RemoteDisconnected(ConnectionResetError):
+    """The server closed a (kept-alive) connection without answering."""
+
+
+class _Response:
+    """One HTTP/1.1 answer read from the connection: status, headers, then the body by
+    Content-Length, chunks, or until the server closes."""
+
+    def __init__(self, f: Any, head_only: bool) -> None:
+        self._f = f
+        line = f.readline(65537)
+        if not line:
+            raise _RemoteDisconnected("the server closed the connection without answering")
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+            raise DSecError(f"not an HTTP answer: {line[:100]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        while True:
+            h = f.readline(65537)
+            if h in (b"\r\n", b"\n", b""):
+                break
+            k, _, v = h.decode("latin-1").partition(":")
+            self.headers[k.strip().lower()] = v.strip()
+        self.keep_alive = parts[0] != b"HTTP/1.0" and self.headers.get("connection", "").lower() != "close"
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length")
+        self._left: int | None = None if self._chunked or length is None else int(length)
+        self._chunk_left = 0
+        self._buf = b""
+        self.done = head_only or self.status in (204, 304) or self._left == 0
+        if not self._chunked and self._left is None:
+            self.keep_alive = False  # the body ends when the server closes
+
+    def getheader(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def _piece(self) -> bytes:
+        if self.done:
+            return b""
+        f = self._f
+        if self._chunked:
+            if self._chunk_left == 0:
+                size = int(f.readline(65537).split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while f.readline(65537) not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    self.done = True
+                    return b""
+                self._chunk_left = size
+            data = f.read(min(self._chunk_left, 65536))
+            if not data:
+                raise _RemoteDisconnected("the server closed the connection mid-answer")
+            self._chunk_left -= len(data)
+            if self._chunk_left == 0:
+                f.readline(65537)  # the CRLF after a chunk
+            return data
+        data = f.read(65536 if self._left is None else min(self._left, 65536))
+        if self._left is not None:
+            if not data:
+                raise _RemoteDisconnected("the server closed the connection mid-answer")
+            self._left -= len(data)
+            self.done = self._left == 0
+        elif not data:
+            self.done = True
+        return data
+
+    def read(self) -> bytes:
+        out = [self._buf]
+        self._buf = b""
+        while not self.done:
+            out.append(self._piece())
+        return b"".join(out)
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buf and not self.done:
+            self._buf += self._piece()
+        line, nl, self._buf = self._buf.partition(b"\n")
+        return line + nl
+
+    def isclosed(self) -> bool:
+        return self.done and not self._buf
+
+
+class _Conn:
+    """A keep-alive HTTP/1.1 connection over a plain socket (TLS only for https URLs)."""
+
+    def __init__(self, scheme: str, host: str, port: int, timeout: float) -> None:
+        self.scheme, self.host, self.port, self.timeout = scheme, host, port, timeout
+        self.sock: socket.socket | None = None
+        self._f: Any = None
+        self._last: _Response | None = None
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self._f, self._last = None, None, None
+
+    def request(self, method: str, target: str, body: bytes | None, headers: dict[str, str]) -> None:
+        if self._last is not None and not (self._last.isclosed() and self._last.keep_alive):
+            self.close()  # never send on a connection with an unread or closing answer
+        if self.sock is None:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            if self.scheme == "https":
+                import ssl
+
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+            self.sock, self._f = sock, sock.makefile("rb")
+        self.sock.settimeout(self.timeout)
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        lines = [f"{method} {target} HTTP/1.1", f"host: {host}:{self.port}",
+                 *(f"{k}: {v}" for k, v in headers.items()), f"content-length: {len(body or b'')}", "", ""]
+        self.sock.sendall("\r\n".join(lines).encode("latin-1") + (body or b""))
+        self._method = method
+
+    def getresponse(self) -> _Response:
+        self._last = _Response(self._f, head_only=self._method == "HEAD")
+        return self._last
+
+
 class ServerUnreachable(TransientError):
     """No DSec server answers at the configured URL (named, with the next command, by the CLI)."""
 
@@ -116,9 +239,8 @@ class Wire:
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise DSecError(f"DSEC_URL {url!r} is not an http(s) URL (e.g. http://127.0.0.1:7070)")
-        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         self.url = url
-        self._conn = cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=self.target.timeout_s)
+        self._conn = _Conn(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), self.target.timeout_s)
         self._prefix = u.path.rstrip("/")
 
     def close(self) -> None:
@@ -131,7 +253,7 @@ class Wire:
         self.close()
 
     def _send(self, method: str, path: str, body: Any, params: list[tuple[str, str]] | None,
-              timeout: float | None) -> http.client.HTTPResponse:
+              timeout: float | None) -> _Response:
         tried: dict[str, str] = {}  # url -> why it could not be reached
         while True:
             try:
@@ -147,12 +269,10 @@ class Wire:
                 self._connect(rest[0])
 
     def _send_one(self, method: str, path: str, body: Any, params: list[tuple[str, str]] | None,
-                  timeout: float | None) -> http.client.HTTPResponse:
+                  timeout: float | None) -> _Response:
         url = self._prefix + path + (("?" + urlencode(params)) if params else "")
         data = None if body is None else json.dumps(body).encode()
         self._conn.timeout = timeout or self.target.timeout_s
-        if self._conn.sock is not None:
-            self._conn.sock.settimeout(self._conn.timeout)
         for fresh in (False, True):
             try:
                 self._conn.request(method, url, body=data, headers=self._headers)
@@ -161,7 +281,7 @@ class Wire:
                 self._conn.close()
                 raise ServerUnreachable(f"no DSec server answers at {self.url}", url=self.url,
                                         reason=e.strerror or str(e)) from None
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+            except (_RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 # A kept-alive connection the server closed meanwhile: one fresh attempt.
                 self._conn.close()
                 if fresh:
