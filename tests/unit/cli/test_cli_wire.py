@@ -140,3 +140,48 @@ def test_fails_over_to_the_next_server(tmp_path: Path) -> None:
         with pytest.raises(wire.ServerUnreachable) as e:
             w.call("GET", "/v1/sandboxes")
     assert f"any of {dead} (Connection refused), {dead2} (Connection refused)" in e.value.message
+
+
+def test_plain_socket_http_chunked_stream_then_keep_alive(tmp_path: Path) -> None:
+    """The CLI's own HTTP/1.1: a chunked NDJSON stream (lines split across chunks) read
+    to its end, then a Content-Length answer on the same kept-alive connection, then a
+    429 with Retry-After retried; one TCP connection for all of it."""
+    import socket as so
+    import threading
+
+    srv = so.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    accepted: list[int] = []
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        c, _ = srv.accept()
+        accepted.append(1)
+        f = c.makefile("rb")
+        answers = [
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"9\r\n{\"kind\": \r\n" b"12\r\n\"stdout\", \"n\": 1}\n\r\n" b"0\r\n\r\n",
+            b"HTTP/1.1 429 Too Many\r\nretry-after: 0.01\r\ncontent-length: 2\r\n\r\n{}",
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\": 42}\n",
+        ]
+        for raw in answers:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += f.readline()
+            requests.append(head.split(b"\r\n")[0])
+            n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            f.read(n)
+            c.sendall(raw)
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    env = {"DSEC_HOME": str(tmp_path), "DSEC_URL": f"http://127.0.0.1:{srv.getsockname()[1]}", "DSEC_TOKEN": "t"}
+    with wire.Wire(wire.resolve_target(env)) as w:
+        assert list(w.lines("POST", "/v1/sandboxes/sb-1/exec/stream", {"cmd": "true"})) == [
+            {"kind": "stdout", "n": 1}]
+        assert w.call("GET", "/v1/sandboxes") == {"ok": 42}
+    srv.close()
+    assert accepted == [1]
+    assert requests == [b"POST /v1/sandboxes/sb-1/exec/stream HTTP/1.1", b"GET /v1/sandboxes HTTP/1.1",
+                        b"GET /v1/sandboxes HTTP/1.1"]
