@@ -111,6 +111,30 @@ async def scheduler_state(ctx: Ctx) -> SchedulerState:
                           nodes=nodes, stats=dict(sched.stats))
 
 
+class ClusterNode(BaseModel):
+    id: str
+    state: str = Field(..., description="ready | draining | lost (dsec.cluster.membership)")
+    sandboxes: int = Field(..., description="Sandboxes the control plane knows on this node")
+    given_up: int = Field(0, description="Sandboxes given up when the node was lost (destroyed when it comes back)")
+    last_heartbeat_age_s: float | None = None
+    lost_at: float | None = Field(None, description="Unix time the node was last marked lost")
+    lost_detect_s: float | None = Field(None, description="Last good heartbeat -> marked lost, seconds")
+    reconciled: list[str] = Field(default_factory=list, description="Sandboxes it destroyed when it came back")
+
+
+def _cluster(ctx: Any) -> Any:
+    node = ctx.svc.node
+    if not hasattr(node, "node_view"):
+        raise NotFound("this server drives one node; node states exist under `dsec serve --cluster`")
+    return node
+
+
+@router.get("/v1/nodes", response_model=list[ClusterNode], summary="Cluster nodes and their states (admin)")
+async def cluster_nodes(ctx: Ctx) -> list[ClusterNode]:
+    require_admin(ctx.tenant)
+    return [ClusterNode.model_validate(r) for r in _cluster(ctx).node_view()]
+
+
 @router.get("/v1/pools", response_model=PoolList, summary="Warm pools per shape (admin)")
 async def pools(ctx: Ctx) -> PoolList:
     require_admin(ctx.tenant)

@@ -281,6 +281,11 @@ class RayNodeProxy:
         self.handle = handle
         self.control_timeout_s = control_timeout_s
         self._capacity: NodeCapacity | None = None
+        # Set by the control plane's heartbeat when the node is judged lost: every call,
+        # those in flight included, ends with NodeLost at once instead of waiting on a
+        # raylet that will never answer (Ray itself notices a dead node after ~30 s).
+        self.lost = False
+        self._lost_fut: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         """Start the remote agent (reconcile there) and cache its capacity."""
@@ -290,13 +295,45 @@ class RayNodeProxy:
             raise errors.Timeout(f"node {self.node_id}: its agent did not start within "
                                  f"{self.control_timeout_s:g}s", node=self.node_id) from None
 
-    async def _await(self, ref: Any) -> Any:
+    def _lost_error(self) -> errors.NodeLost:
+        return errors.NodeLost(f"node {self.node_id} lost (no heartbeat): its sandboxes are unreachable; create "
+                               "a new sandbox or restore a checkpoint", node=self.node_id)
+
+    def mark_lost(self) -> None:
+        """The node is lost: fail every call in flight and every new one with NodeLost."""
+        self.lost = True
+        if self._lost_fut is not None and not self._lost_fut.done():
+            self._lost_fut.set_result(None)
+
+    def mark_back(self) -> None:
+        self.lost = False
+        self._lost_fut = None
+
+    async def probe(self, timeout_s: float) -> Any:
+        """One heartbeat: the agent's health within ``timeout_s`` (also while lost: that is
+        how a node that comes back is seen). TimeoutError or NodeLost when it does not answer."""
+        out = await asyncio.wait_for(self._await(self.handle.call.remote("health", (), {}), heartbeat=True),
+                                     timeout_s)
+        if isinstance(out, NodeCallError):
+            raise out.error()
+        return out
+
+    async def _await(self, ref: Any, heartbeat: bool = False) -> Any:
         """One actor round trip; Ray's failures become DSec errors: a node (or agent) that
         is gone is NodeLost (410), never a hang or an internal error."""
         import ray.exceptions as rx
 
+        if heartbeat:
+            waiter = ref
+        else:
+            if self.lost:
+                raise self._lost_error()
+            loop = asyncio.get_running_loop()
+            if self._lost_fut is None or self._lost_fut.get_loop() is not loop:
+                self._lost_fut = loop.create_future()
+            waiter = self._race(ref, self._lost_fut)
         try:
-            return await ref
+            return await waiter
         except (rx.RayActorError, rx.ActorUnavailableError, rx.NodeDiedError, rx.LocalRayletDiedError,
                 rx.ActorUnschedulableError) as e:
             raise errors.NodeLost(f"node {self.node_id} does not answer ({type(e).__name__}): its sandboxes are "
@@ -307,6 +344,18 @@ class RayNodeProxy:
             if isinstance(cause, errors.DSecError):
                 raise NodeCallError.of(cause).error() from None
             raise errors.SandboxFailure(f"node {self.node_id}: agent error: {cause or e}", node=self.node_id) from None
+
+    async def _race(self, ref: Any, lost: asyncio.Future[None]) -> Any:
+        call = asyncio.ensure_future(ref)
+        try:
+            await asyncio.wait((call, lost), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        if not call.done():
+            call.cancel()
+            raise self._lost_error()
+        return call.result()
 
     async def close(self) -> None:
         """Nothing to do here: the agent is detached and keeps serving other callers."""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from dsec import errors
+from dsec.cluster.membership import NodeState, check_transition, placeable
 from dsec.models import ExecRequest, SandboxInfo, SandboxSpec
 from dsec.node.api import (
     ImageLayers,
@@ -60,10 +61,32 @@ class ClusterRouter:
         self.node_id = CLUSTER_NODE_ID
         self.agents: dict[str, NodeAgent] = dict(agents)
         self.where: dict[str, str] = {}  # sandbox id -> node id
+        # ready / draining / lost (dsec.cluster.membership); the heartbeat loop moves them.
+        self.states: dict[str, NodeState] = {n: NodeState.ready for n in self.agents}
+        # Sandboxes the control plane gave up when their node was lost (node id -> ids):
+        # a node that comes back destroys them before it is ready again.
+        self.given_up: dict[str, set[str]] = {}
+        self.heartbeats: Any = None  # dsec.cluster.serve.Heartbeats under `dsec serve --cluster`
         self._started_at = 0.0
         # Loops that live as long as the router (e.g. picking up nodes that join).
         self.background: list[Callable[[], Awaitable[None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    def node_view(self) -> list[dict[str, Any]]:
+        """Each node's state as the control plane sees it (GET /v1/nodes)."""
+        hb = self.heartbeats
+        now = time.monotonic()
+        out = []
+        for nid in sorted(self.agents):
+            last = hb.last_ok.get(nid) if hb is not None else None
+            out.append({"id": nid, "state": self.states.get(nid, NodeState.ready).value,
+                        "sandboxes": sum(1 for n in self.where.values() if n == nid),
+                        "given_up": len(self.given_up.get(nid, ())),
+                        "last_heartbeat_age_s": round(now - last, 3) if last is not None else None,
+                        "lost_at": hb.lost_at.get(nid) if hb is not None else None,
+                        "lost_detect_s": hb.detect_s.get(nid) if hb is not None else None,
+                        "reconciled": hb.reconciled.get(nid, []) if hb is not None else []})
+        return out
 
     # --- routing ------------------------------------------------------------------------
     def _learn(self, info: SandboxInfo, node_id: str) -> SandboxInfo:
@@ -74,11 +97,36 @@ class ClusterRouter:
         """A node that joined: the map is rebound, never mutated, so a call iterating the
         old one (a cluster-wide list) finishes on the nodes it started with."""
         self.agents = {**self.agents, node_id: agent}
+        self.states = {**self.states, node_id: NodeState.ready}
+
+    def set_state(self, node_id: str, target: NodeState) -> NodeState:
+        """Move a node along the transition table (Conflict naming it otherwise)."""
+        if node_id not in self.agents:
+            raise errors.NotFound(f"node {node_id!r} is not a node of this cluster (nodes: "
+                                  f"{', '.join(sorted(self.agents)) or 'none'})", node=node_id)
+        current = self.states.get(node_id, NodeState.ready)
+        if current is not target:
+            check_transition(node_id, current, target)
+            self.states = {**self.states, node_id: target}
+        return current
+
+    def live_agents(self) -> dict[str, NodeAgent]:
+        """Nodes that are not lost (a lost node's calls would only answer NodeLost)."""
+        return {n: a for n, a in self.agents.items() if self.states.get(n) is not NodeState.lost}
+
+    def _check_reachable(self, node_id: str, sandbox_id: str) -> None:
+        if self.states.get(node_id) is NodeState.lost:
+            raise errors.NodeLost(f"sandbox {sandbox_id}: node lost ({node_id} stopped answering heartbeats); "
+                                  "create a new sandbox or restore a checkpoint", node=node_id, sandbox_id=sandbox_id)
 
     async def node_of(self, sandbox_id: str) -> str:
         nid = self.where.get(sandbox_id)
         if nid is not None and nid in self.agents:
+            self._check_reachable(nid, sandbox_id)
             return nid
+        for n, ids in self.given_up.items():
+            if sandbox_id in ids:
+                self._check_reachable(n, sandbox_id)
 
         async def probe(n: str, a: NodeAgent) -> str | None:
             try:
@@ -87,7 +135,8 @@ class ClusterRouter:
             except errors.NotFound:
                 return None
 
-        for found in await asyncio.gather(*(probe(n, a) for n, a in self.agents.items()), return_exceptions=True):
+        live = self.live_agents()
+        for found in await asyncio.gather(*(probe(n, a) for n, a in live.items()), return_exceptions=True):
             if isinstance(found, str):
                 self.where[sandbox_id] = found
                 return found
@@ -114,7 +163,7 @@ class ClusterRouter:
         return cluster_capacity([a.capacity() for a in self.agents.values()])
 
     async def usage(self) -> NodeUsage:
-        us = await asyncio.gather(*(a.usage() for a in self.agents.values()))
+        us = await asyncio.gather(*(a.usage() for a in self.live_agents().values()))
         return NodeUsage(node_id=self.node_id, cpu_busy=sum(u.cpu_busy for u in us) / max(len(us), 1),
                          sandboxes=sum(u.sandboxes for u in us), active_execs=sum(u.active_execs for u in us))
 
@@ -131,7 +180,7 @@ class ClusterRouter:
 
     async def layer_index(self) -> LayerIndex:
         seen: dict[str, ImageLayers] = {}
-        for idx in await asyncio.gather(*(a.layer_index() for a in self.agents.values())):
+        for idx in await asyncio.gather(*(a.layer_index() for a in self.live_agents().values())):
             for img in idx.images:
                 seen.setdefault(img.image_id, img)
         return LayerIndex(node_id=self.node_id, images=list(seen.values()))
@@ -143,7 +192,8 @@ class ClusterRouter:
         return dict(zip(agents, idx))
 
     async def resolve_image(self, ref: str) -> ImageLayers:
-        for r in await asyncio.gather(*(a.resolve_image(ref) for a in self.agents.values()), return_exceptions=True):
+        for r in await asyncio.gather(*(a.resolve_image(ref) for a in self.live_agents().values()),
+                                      return_exceptions=True):
             if isinstance(r, ImageLayers):
                 return r
         raise errors.NotFound(f"image {ref!r} not found on any node; import it with `dsec image import`", image=ref)
@@ -151,7 +201,9 @@ class ClusterRouter:
     # --- lifecycle ----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
                      pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
-        counts = {n: 0 for n in self.agents}
+        counts = {n: 0 for n in self.agents if placeable(self.states.get(n, NodeState.ready))}
+        if not counts:
+            raise errors.CapacityExhausted("no node of the cluster is ready (all lost or draining)", retry_after=5.0)
         for nid in self.where.values():
             if nid in counts:
                 counts[nid] += 1
@@ -169,7 +221,7 @@ class ClusterRouter:
     async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]:
         """Every reachable node's sandboxes: a lost node's sandboxes are unreachable (they
         answer NodeLost one by one) and must not take the whole cluster's listing down."""
-        agents = self.agents
+        agents = self.live_agents()
         per = await asyncio.gather(*(a.list(labels, tenant) for a in agents.values()), return_exceptions=True)
         out = []
         for nid, infos in zip(agents, per):
@@ -187,7 +239,7 @@ class ClusterRouter:
         except errors.NotFound:
             # Not live anywhere: a node that knew it (already destroyed) answers quietly,
             # as a single node does; nobody knowing it is NotFound.
-            done = await asyncio.gather(*(a.destroy(sandbox_id) for a in self.agents.values()),
+            done = await asyncio.gather(*(a.destroy(sandbox_id) for a in self.live_agents().values()),
                                         return_exceptions=True)
             if all(isinstance(d, errors.NotFound) for d in done):
                 raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from dsec import errors
@@ -57,7 +58,116 @@ def build_cluster(settings: Settings) -> Any:
         services.attach_scheduler(driver)
     joins = Membership(settings, router, driver)
     router.background.append(joins.run)
+    beats = Heartbeats(settings, router, driver)
+    router.heartbeats = beats  # GET /v1/nodes reads it
+    router.background.append(beats.run)
     return services
+
+
+class Heartbeats:
+    """The control plane's side of node liveness (see dsec.cluster.membership): probe every
+    node agent each ``cluster_heartbeat_interval_s``; mark a node lost (its sandboxes answer
+    410 at once, the scheduler releases their capacity and places elsewhere); when a lost
+    node answers again, have it destroy what was given up, then make it ready."""
+
+    def __init__(self, settings: Settings, router: Any, driver: Any | None) -> None:
+        self.settings, self.router, self.driver = settings, router, driver
+        self.last_ok: dict[str, float] = {}
+        self.lost_at: dict[str, float] = {}  # node id -> time.time() it was marked lost
+        self.detect_s: dict[str, float] = {}  # node id -> last good heartbeat -> marked lost (s)
+        self.reconciled: dict[str, list[str]] = {}  # node id -> sandboxes it destroyed on coming back
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.cluster_heartbeat_interval_s)
+            try:
+                await self.beat()
+            except Exception:  # the next pass retries; serving goes on
+                log.exception("node heartbeat pass failed")
+
+    async def _ray_alive(self) -> dict[str, bool]:
+        from dsec.cluster.ray import dsec_nodes
+
+        try:
+            nodes = await asyncio.wait_for(asyncio.to_thread(dsec_nodes), self.settings.cluster_heartbeat_timeout_s)
+        except Exception:  # noqa: BLE001 - Ray's view unknown this pass: judge by heartbeats alone
+            return {}
+        return {nid: bool(n.get("Alive")) for nid, n in nodes.items()}
+
+    async def _probe(self, agent: Any) -> bool:
+        timeout = self.settings.cluster_heartbeat_timeout_s
+        try:
+            if hasattr(agent, "probe"):
+                await agent.probe(timeout)
+            else:
+                await asyncio.wait_for(agent.health(), timeout)
+            return True
+        except Exception:  # noqa: BLE001 - any failure is a missed heartbeat
+            return False
+
+    async def beat(self) -> None:
+        from dsec.cluster.membership import NodeState, is_lost
+
+        agents = self.router.agents
+        alive, oks = await asyncio.gather(self._ray_alive(),
+                                          asyncio.gather(*(self._probe(a) for a in agents.values())))
+        now = time.monotonic()
+        for nid, ok in zip(agents, oks):
+            self.last_ok.setdefault(nid, now)
+            if ok:
+                self.last_ok[nid] = now
+            state = self.router.states.get(nid, NodeState.ready)
+            if state is NodeState.lost:
+                if ok and alive.get(nid) is not False:
+                    await self._come_back(nid)
+            elif is_lost(alive.get(nid), self.last_ok[nid], now, self.settings.cluster_node_lost_after_s):
+                self._lose(nid, now)
+
+    def _lose(self, nid: str, now: float) -> None:
+        from dsec.cluster.membership import NodeState
+
+        self.router.set_state(nid, NodeState.lost)
+        agent = self.router.agents[nid]
+        if hasattr(agent, "mark_lost"):
+            agent.mark_lost()  # calls in flight end with NodeLost now
+        gone = {sid for sid, n in self.router.where.items() if n == nid}
+        if self.driver is not None and nid in self.driver.sched.cluster.nodes:
+            gone |= {r.sandbox_id for r in self.driver.sched.residents.get(nid, {}).values()}
+            self.driver.sched.node_lost(nid, self.driver.clock())  # capacity released, placed creates retried
+            self.driver._wake.set()
+        self.router.given_up[nid] = self.router.given_up.get(nid, set()) | gone
+        self.lost_at[nid] = time.time()
+        self.detect_s[nid] = round(now - self.last_ok[nid], 3)
+        log.warning("node %s lost (no good heartbeat for %.1fs): %d sandboxes given up", nid, self.detect_s[nid],
+                    len(gone))
+
+    async def _come_back(self, nid: str) -> None:
+        """Reconcile: destroy what the control plane gave up (the clients were told 410),
+        account what else it holds, then it takes placements again."""
+        from dsec.cluster.membership import NodeState
+
+        agent = self.router.agents[nid]
+        if hasattr(agent, "mark_back"):
+            agent.mark_back()
+        give = set(self.router.given_up.get(nid, set()))
+        destroyed = []
+        for info in await agent.list():
+            if info.id in give:
+                try:
+                    await agent.destroy(info.id)
+                except errors.NotFound:
+                    pass
+                destroyed.append(info.id)
+        self.router.given_up.pop(nid, None)
+        self.router.where = {s: n for s, n in self.router.where.items() if s not in give}
+        if self.driver is not None and nid in self.driver.sched.cluster.nodes:
+            await self.driver._adopt(nid, agent)
+            self.driver.sched.set_node_health(nid, True)
+            self.driver._wake.set()
+        self.router.set_state(nid, NodeState.ready)
+        self.reconciled[nid] = sorted(destroyed)
+        self.last_ok[nid] = time.monotonic()
+        log.warning("node %s is back: destroyed %d given-up sandboxes, ready again", nid, len(destroyed))
 
 
 class Membership:

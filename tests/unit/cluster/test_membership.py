@@ -1,0 +1,109 @@
+"""Node liveness on a cluster: the node state table, the lost judgement, and the
+heartbeat pass over shared fake agents (a node that stops answering is lost, its
+sandboxes answer NodeLost at once, the scheduler releases it; a node that comes back
+destroys what was given up and is ready again)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.cluster.membership import NODE_TRANSITIONS, NodeState, can_transition, check_transition, is_lost
+from dsec.models import ExecRequest, SandboxSpec
+
+N = NodeState
+
+
+def test_node_transition_table() -> None:
+    """Exactly these moves: ready<->draining, ready/draining -> lost, lost -> ready (after
+    reconcile). A lost node cannot be drained; every other move is Conflict naming the node."""
+    allowed = {(a, b) for a, targets in NODE_TRANSITIONS.items() for b in targets}
+    assert allowed == {(N.ready, N.draining), (N.ready, N.lost), (N.draining, N.ready), (N.draining, N.lost),
+                       (N.lost, N.ready)}
+    assert set(NODE_TRANSITIONS) == set(NodeState)
+    for a in NodeState:
+        for b in NodeState:
+            assert can_transition(a, b) == ((a, b) in allowed)
+    with pytest.raises(errors.Conflict) as e:
+        check_transition("n3", N.lost, N.draining)
+    assert "n3" in e.value.message and "lost" in e.value.message and e.value.details["node"] == "n3"
+
+
+def test_is_lost() -> None:
+    """Lost when Ray says its node is dead, or when no good heartbeat for lost_after_s;
+    an unknown Ray view (None) judges by heartbeats alone."""
+    assert not is_lost(True, last_ok=100.0, now=104.9, lost_after_s=5)
+    assert is_lost(True, last_ok=100.0, now=105.1, lost_after_s=5)
+    assert is_lost(False, last_ok=100.0, now=100.0, lost_after_s=5)
+    assert not is_lost(None, last_ok=100.0, now=101.0, lost_after_s=5)
+    assert is_lost(None, last_ok=100.0, now=106.0, lost_after_s=5)
+
+
+async def test_heartbeat_loses_a_silent_node_and_reconciles_it_when_back(tmp_path: Path) -> None:
+    """A node whose health hangs is lost after cluster_node_lost_after_s: its sandbox
+    answers NodeLost (410) without waiting, the scheduler marks it unhealthy and frees its
+    capacity, new creates go elsewhere. When it answers again it destroys the sandbox
+    that was given up (nothing leaks) and is ready and placeable again."""
+    from dsec.cluster.router import ClusterRouter
+    from dsec.cluster.serve import Heartbeats
+    from dsec.config import Settings
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+    from dsec.testing import FakeNodeAgent
+
+    s = Settings(home=tmp_path, cluster_heartbeat_timeout_s=0.05, cluster_node_lost_after_s=0.2,
+                 batch_window_s=0.01, retry_backoff_s=0.01)
+    a, b = FakeNodeAgent(s, node_id="a"), FakeNodeAgent(s, node_id="b")
+    router = ClusterRouter({"a": a, "b": b})
+    await router.start()
+    driver = SchedulerDriver(Scheduler(s), router.agents, s)
+    await driver.start()
+    beats = Heartbeats(s, router, driver)
+    router.heartbeats = beats
+
+    async def no_ray() -> dict[str, bool]:
+        return {}  # Ray's view unknown: judged by heartbeats alone
+
+    beats._ray_alive = no_ray  # type: ignore[method-assign]
+    try:
+        on_b = await driver.create(SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G"), "sb-on-b", "t")
+        assert on_b.node in ("a", "b")
+        victim, other = (b, a) if on_b.node == "b" else (a, b)
+        router.where[on_b.id] = victim.node_id
+        await beats.beat()
+        assert router.states == {"a": N.ready, "b": N.ready}
+
+        hang = asyncio.Event()
+
+        async def silent() -> None:
+            await hang.wait()  # a dead raylet: the call never answers
+
+        victim.health = silent  # type: ignore[method-assign, assignment]
+        await beats.beat()
+        assert router.states[victim.node_id] is N.ready  # one missed beat is not a loss
+        await asyncio.sleep(0.25)
+        await beats.beat()
+        assert router.states[victim.node_id] is N.lost
+        assert 0.2 < beats.detect_s[victim.node_id] < 1.0
+        with pytest.raises(errors.NodeLost) as e:
+            await asyncio.wait_for(router.exec(on_b.id, ExecRequest(cmd="true")), 0.1)
+        assert e.value.http_status == 410 and "node lost" in e.value.message
+        node = driver.sched.cluster.nodes[victim.node_id]
+        assert not node.healthy and node.count == 0 and node.used_cpu == 0
+        again = await driver.create(SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G"), "sb-2", "t")
+        assert again.node == other.node_id
+        assert [r["state"] for r in router.node_view() if r["id"] == victim.node_id] == ["lost"]
+
+        del victim.health  # answers again: reconcile
+        await beats.beat()
+        assert router.states[victim.node_id] is N.ready
+        assert on_b.id in victim.destroyed and on_b.id not in victim.sandboxes
+        assert beats.reconciled[victim.node_id] == [on_b.id]
+        assert driver.sched.cluster.nodes[victim.node_id].healthy
+        hang.set()
+    finally:
+        await driver.close()
+        await router.close()
