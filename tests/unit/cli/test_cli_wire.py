@@ -116,7 +116,7 @@ def test_fails_over_to_the_next_server(tmp_path: Path) -> None:
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
     class H(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = b'[{"id": "sb-1"}]'
             self.send_response(200)
             self.send_header("content-length", str(len(body)))
@@ -136,9 +136,9 @@ def test_fails_over_to_the_next_server(tmp_path: Path) -> None:
             assert w.call("GET", "/v1/sandboxes") == [{"id": "sb-1"}] and w.url == live
     finally:
         srv.shutdown()
-    with wire.Wire(wire.resolve_target({"DSEC_HOME": str(tmp_path), "DSEC_URL": f"{dead},{dead2}"})) as w:
-        with pytest.raises(wire.ServerUnreachable) as e:
-            w.call("GET", "/v1/sandboxes")
+    env = {"DSEC_HOME": str(tmp_path), "DSEC_URL": f"{dead},{dead2}"}
+    with wire.Wire(wire.resolve_target(env)) as w, pytest.raises(wire.ServerUnreachable) as e:
+        w.call("GET", "/v1/sandboxes")
     assert f"any of {dead} (Connection refused), {dead2} (Connection refused)" in e.value.message
 
 
@@ -160,8 +160,8 @@ def test_plain_socket_http_chunked_stream_then_keep_alive(tmp_path: Path) -> Non
         accepted.append(1)
         f = c.makefile("rb")
         answers = [
-            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-            b"9\r\n{\"kind\": \r\n" b"12\r\n\"stdout\", \"n\": 1}\n\r\n" b"0\r\n\r\n",
+            (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+             b"9\r\n{\"kind\": \r\n" b"12\r\n\"stdout\", \"n\": 1}\n\r\n" b"0\r\n\r\n"),
             b"HTTP/1.1 429 Too Many\r\nretry-after: 0.01\r\ncontent-length: 2\r\n\r\n{}",
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\": 42}\n",
         ]
@@ -170,7 +170,7 @@ def test_plain_socket_http_chunked_stream_then_keep_alive(tmp_path: Path) -> Non
             while not head.endswith(b"\r\n\r\n"):
                 head += f.readline()
             requests.append(head.split(b"\r\n")[0])
-            n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            n = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
             f.read(n)
             c.sendall(raw)
         c.close()
