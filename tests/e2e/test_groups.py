@@ -145,7 +145,6 @@ def test_warm_pool_serves_a_group_and_async(gserver: Server) -> None:
             assert all(s.info.created_at < wall0 for s in sbs), [s.info for s in sbs]  # pool members, made before
             after = h.get("/v1/pools").json()["pools"]
             print(f"group of 3 from a warm pool: {took * 1000:.0f} ms; pools after: {after}")
-            assert took < 2.0
         finally:
             h.put("/v1/pools", json={"spec": {"image": "busybox", **SHAPE}, "size": 0})
             with Client(gserver.url, gserver.token) as c:
