@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, Field
 
 from dsec.api.auth import require_admin
@@ -133,6 +133,32 @@ def _cluster(ctx: Any) -> Any:
 async def cluster_nodes(ctx: Ctx) -> list[ClusterNode]:
     require_admin(ctx.tenant)
     return [ClusterNode.model_validate(r) for r in _cluster(ctx).node_view()]
+
+
+class DrainRequest(BaseModel):
+    migrate: bool = Field(False, description="Checkpoint its running sandboxes and restore them elsewhere "
+                          "(same sandbox ids); without it they run until they end")
+
+
+NodeId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
+
+
+@router.post("/v1/nodes/{node_id}/drain", summary="Stop placements on a node; optionally migrate its sandboxes (admin)")
+async def drain_node(node_id: NodeId, body: DrainRequest, ctx: Ctx, request: Request) -> dict[str, Any]:
+    from dsec.cluster.drain import drain
+
+    require_admin(ctx.tenant)
+    router_ = _cluster(ctx)
+
+    async def tenant_uid(name: str) -> str:
+        rec = await ctx.svc.state.get_tenant(name)
+        if rec is None:
+            raise NotFound(f"tenant {name!r} of a sandbox on node {node_id} no longer exists", tenant=name)
+        return str(rec.uid)
+
+    res = await drain(router_, ctx.svc.scheduler, getattr(request.app.state, "checkpoints", None), node_id,
+                      migrate=body.migrate, tenant_uid=tenant_uid)
+    return res.model_dump()
 
 
 @router.get("/v1/pools", response_model=PoolList, summary="Warm pools per shape (admin)")

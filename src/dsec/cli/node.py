@@ -1,4 +1,6 @@
-"""``dsec node ls``: the DSec nodes of a Ray cluster as their agents report them."""
+"""``dsec node ls``: the DSec nodes of a Ray cluster as their agents report them;
+``dsec node drain ID [--migrate]``: ask the running ``dsec serve --cluster`` (admin) to stop
+placing on a node, and optionally move its sandboxes elsewhere."""
 
 from __future__ import annotations
 
@@ -53,3 +55,25 @@ def ls(cluster: str | None = typer.Option(None, "--cluster", help="ray://HEAD:PO
                   f"{human_bytes(r['memory_allocated'])}/{human_bytes(r['memory_bound'])}",
                   ",".join(r["images"]) or "-")
     out.print(t)
+
+
+@app.command("drain")
+@handle_errors
+def drain(node_id: str = typer.Argument(..., help="Node id as `dsec node ls` shows it"),
+          migrate: bool = typer.Option(False, "--migrate", help="Checkpoint its running sandboxes and restore "
+                                       "them on other nodes (same ids)"),
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    """Stop new placements on NODE_ID (through the API server: DSEC_URL, admin token)."""
+    from dsec.cli.common import client
+    from dsec.sdk._core import Call
+
+    res = client()._run(Call("POST", f"/v1/nodes/{node_id}/drain", lambda r: r.json(),
+                             json={"migrate": migrate}, idempotent=False))
+    if as_json:
+        print_json(res)
+        return
+    out.print(f"node {res['node']}: {res['previous']} -> {res['state']}")
+    for m in res["migrated"]:
+        out.print(f"  migrated {m['sandbox_id']} -> {m['to_node']} (checkpoint {m['checkpoint_id']})")
+    for sid, why in res["failed"].items():
+        out.print(f"  NOT moved {sid}: {why}")

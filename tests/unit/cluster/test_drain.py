@@ -1,0 +1,84 @@
+"""Draining a node (`dsec node drain ID [--migrate]`) over shared fake agents and the
+real scheduler driver: placements stop there; with migrate its sandbox moves to another
+node under the same id, files intact; bad input is a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dsec import errors
+from dsec.cluster.membership import NodeState
+
+
+class _Loader:
+    """The checkpoint store's ``load`` over the fakes' shared store (meta.spec)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def load(self, tenant: str, checkpoint_id: str) -> Any:
+        unit = self.store.units[(tenant, checkpoint_id)]
+        return SimpleNamespace(spec=unit.spec.model_dump())
+
+
+async def _uid(name: str) -> str:
+    return "uid-" + name
+
+
+async def test_drain_stops_placement_and_migrates_with_the_same_id(tmp_path: Path) -> None:
+    """Drain without migrate: state draining, new creates never land there, its sandbox
+    stays. Drain again with migrate: the sandbox is checkpointed, destroyed there and
+    restored on the other node under the same id with its file; the draining node is
+    empty. Unknown node -> NotFound naming it; a lost node -> Conflict."""
+    from dsec.cluster.drain import drain
+    from dsec.cluster.router import ClusterRouter
+    from dsec.config import Settings
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+    from dsec.models import SandboxSpec
+    from dsec.testing import FakeNodeAgent
+    from dsec.testing.fake_node import FakeCheckpointStore
+
+    s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01)
+    store = FakeCheckpointStore()
+    a, b = FakeNodeAgent(s, node_id="a", checkpoints=store), FakeNodeAgent(s, node_id="b", checkpoints=store)
+    router = ClusterRouter({"a": a, "b": b})
+    await router.start()
+    driver = SchedulerDriver(Scheduler(s), router.agents, s)
+    await driver.start()
+    shape = {"image": "busybox", "cpu": 1, "memory": "1G", "disk": "1G"}
+    try:
+        first = await driver.create(SandboxSpec(**shape), "sb-1", "t")  # type: ignore[arg-type]
+        src = {"a": a, "b": b}[first.node]
+        other = b if src is a else a
+        router.where[first.id] = src.node_id
+        await router.write_file(first.id, "/work/state", b"step 7")
+
+        res = await drain(router, driver, _Loader(store), src.node_id, migrate=False, tenant_uid=_uid)
+        assert (res.previous, res.state, res.migrated) == ("ready", "draining", [])
+        assert router.states[src.node_id] is NodeState.draining and first.id in src.sandboxes
+        for i in range(4):
+            info = await driver.create(SandboxSpec(**shape), f"sb-new-{i}", "t")  # type: ignore[arg-type]
+            assert info.node == other.node_id
+
+        res = await drain(router, driver, _Loader(store), src.node_id, migrate=True, tenant_uid=_uid)
+        assert [(m.sandbox_id, m.from_node, m.to_node) for m in res.migrated] == [
+            (first.id, src.node_id, other.node_id)], res
+        assert first.id not in src.sandboxes and first.id in other.sandboxes
+        assert await router.read_file(first.id, "/work/state") == b"step 7"
+        assert driver.sched.running[first.id].node_id == other.node_id
+
+        with pytest.raises(errors.NotFound) as nf:
+            await drain(router, driver, _Loader(store), "zz", migrate=False, tenant_uid=_uid)
+        assert "zz" in nf.value.message
+        router.set_state(other.node_id, NodeState.lost)
+        with pytest.raises(errors.Conflict) as cf:
+            await drain(router, driver, _Loader(store), other.node_id, migrate=True, tenant_uid=_uid)
+        assert "lost" in cf.value.message and other.node_id in cf.value.message
+    finally:
+        await driver.close()
+        await router.close()
