@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from dsec.api.auth import require_admin
 from dsec.api.deps import Ctx
+from dsec.cluster.demand import pending_demand, ray_bundles
 from dsec.control.driver import lease_key
 from dsec.errors import InvalidArgument, NotFound
 from dsec.models import SandboxSpec
@@ -48,6 +49,9 @@ class SchedulerState(BaseModel):
     placements_per_s: float
     nodes: list[NodeAllocation]
     stats: dict[str, int]
+    pending_demand: dict[str, Any] = Field(
+        default_factory=dict, description="What the cluster cannot place now (dsec.cluster.demand): `shapes` "
+        "[{cpu, memory, disk, isolation, gpu, count}] and the same as Ray autoscaler `ray_bundles`")
 
 
 class PoolShape(BaseModel):
@@ -106,9 +110,17 @@ async def scheduler_state(ctx: Ctx) -> SchedulerState:
                             warm_ids=sorted(r.sandbox_id for r in sched.residents[n.node_id].values() if r.pool),
                             predicted_load=round(n.predicted, 3))
              for n in sched.cluster.node_list]
+    shapes = demand_of(_driver(ctx))
     return SchedulerState(queue_depth=sched.depth(), queue_capacity=sched.s.queue_capacity,
                           backpressure=sched.bp.active, placements_per_s=round(sched.drain_rate, 2),
-                          nodes=nodes, stats=dict(sched.stats))
+                          nodes=nodes, stats=dict(sched.stats),
+                          pending_demand={"shapes": [s.model_dump() for s in shapes],
+                                          "ray_bundles": ray_bundles(shapes)})
+
+
+def demand_of(driver: Any) -> Any:
+    """The driver's pending demand now (see dsec.cluster.demand)."""
+    return pending_demand(list(driver.sched.pending.values()), driver.clock(), driver.s.cluster_demand_min_age_s)
 
 
 class ClusterNode(BaseModel):

@@ -43,3 +43,12 @@ class SchedulerCollector(Collector):
         yield alloc
         yield warm
         yield load
+        from dsec.cluster.demand import pending_demand
+        demand = GaugeMetricFamily("dsec_scheduler_pending_demand", "Creates the cluster cannot place now, by "
+                                   "resource shape (autoscaler input; see docs/cluster.md)",
+                                   labels=["cpu", "memory", "disk", "isolation", "gpu"])
+        import time
+        now = getattr(self.driver, "clock", time.monotonic)()  # the scheduler's clock (submitted_at)
+        for d in pending_demand(list(sched.pending.values()), now, sched.s.cluster_demand_min_age_s):
+            demand.add_metric([f"{d.cpu:g}", str(d.memory), str(d.disk), d.isolation, d.gpu or ""], float(d.count))
+        yield demand
