@@ -78,12 +78,17 @@ class Heartbeats:
         self.reconciled: dict[str, list[str]] = {}  # node id -> sandboxes it destroyed on coming back
 
     async def run(self) -> None:
+        took = 0.0
         while True:
-            await asyncio.sleep(self.settings.cluster_heartbeat_interval_s)
+            # A pass that waited on a silent node (up to the heartbeat timeout) already used
+            # its interval: the next starts at once, so detection stays near lost_after.
+            await asyncio.sleep(max(0.0, self.settings.cluster_heartbeat_interval_s - took))
+            t0 = time.monotonic()
             try:
                 await self.beat()
             except Exception:  # the next pass retries; serving goes on
                 log.exception("node heartbeat pass failed")
+            took = time.monotonic() - t0
 
     async def _ray_alive(self) -> dict[str, bool]:
         from dsec.cluster.ray import dsec_nodes
