@@ -33,6 +33,22 @@ def cluster_address(explicit: str | None) -> str:
     return c.address
 
 
+def _server_view() -> list[dict[str, Any]] | None:
+    """GET /v1/nodes of the API server DSEC_URL names (draining / lost as the control plane
+    sees them); None without a server or when it does not answer as an admin."""
+    if not os.environ.get("DSEC_URL"):
+        return None
+    import httpx
+
+    url = os.environ["DSEC_URL"].split(",")[0].rstrip("/")
+    try:
+        r = httpx.get(f"{url}/v1/nodes", headers={"authorization": f"Bearer {os.environ.get('DSEC_TOKEN', '')}"},
+                      timeout=5)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
 @app.command("ls")
 @handle_errors
 def ls(cluster: str | None = typer.Option(None, "--cluster", help="ray://HEAD:PORT (default: DSEC_CLUSTER)"),
@@ -40,9 +56,10 @@ def ls(cluster: str | None = typer.Option(None, "--cluster", help="ray://HEAD:PO
     """List the cluster's DSec nodes."""
     import asyncio
 
-    from dsec.cluster.nodes import node_rows
+    from dsec.cluster.nodes import merge_server_states, node_rows
 
     rows: list[dict[str, Any]] = asyncio.run(node_rows(cluster_address(cluster)))
+    rows = merge_server_states(rows, _server_view())
     if as_json:
         print_json(rows)
         return

@@ -26,6 +26,22 @@ def row(node_id: str, address: str, alive: bool, health: Any, cap: Any, sandboxe
             "problems": list(health.problems) if health is not None else ["agent unreachable"]}
 
 
+def merge_server_states(rows: list[dict[str, Any]], server: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Pure: the control plane's view (GET /v1/nodes of the running `dsec serve --cluster`)
+    wins for draining and lost, which only it knows or judges first (heartbeats); rows
+    keep their own state when no server answered (``server`` None)."""
+    if not server:
+        return rows
+    by_id = {n["id"]: n for n in server}
+    out = []
+    for r in rows:
+        s = by_id.get(r["id"])
+        if s is not None and s.get("state") in ("draining", "lost") and r["state"] != "lost":
+            r = {**r, "state": s["state"]}
+        out.append(r)
+    return out
+
+
 async def node_rows(address: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     from dsec.cluster.ray import RayNodeProxy, connect, dsec_nodes, get_agent
     from dsec.config import load_settings

@@ -107,3 +107,15 @@ async def test_heartbeat_loses_a_silent_node_and_reconciles_it_when_back(tmp_pat
     finally:
         await driver.close()
         await router.close()
+
+
+def test_node_ls_takes_draining_and_lost_from_the_server() -> None:
+    """`dsec node ls` rows (Ray's view) show draining / lost when the API server says so;
+    without a server answer they are unchanged; a row Ray already shows lost stays lost."""
+    from dsec.cluster.nodes import merge_server_states
+
+    rows = [{"id": "n0", "state": "ready"}, {"id": "n1", "state": "ready"}, {"id": "n2", "state": "lost"}]
+    server = [{"id": "n0", "state": "ready"}, {"id": "n1", "state": "draining"}, {"id": "n2", "state": "draining"}]
+    assert [r["state"] for r in merge_server_states(rows, server)] == ["ready", "draining", "lost"]
+    assert merge_server_states(rows, None) == rows
+    assert [r["state"] for r in merge_server_states(rows, [{"id": "n0", "state": "lost"}])] == ["lost", "ready", "lost"]
