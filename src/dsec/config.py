@@ -140,6 +140,7 @@ class Settings(BaseSettings):
     cluster_heartbeat_interval_s: float = Field(1.0, gt=0, description="How often `dsec serve --cluster` probes every node agent's health (heartbeat)")
     cluster_heartbeat_timeout_s: float = Field(2.0, gt=0, description="Longest wait for one heartbeat answer; a slower answer counts as missed")
     cluster_node_lost_after_s: float = Field(5.0, gt=0, description="A node with no good heartbeat for this long (or whose Ray node died) is lost: its sandboxes answer 410")
+    cluster_restore_lost: bool = Field(True, description="Restore a lost node's checkpointed sandboxes on other nodes (latest checkpoint, same sandbox id)")
     cluster_demand_min_age_s: float = Field(1.0, ge=0, description="A create queued this long counts as pending demand the cluster cannot place (GET /v1/scheduler pending_demand, metrics)")
 
     # --- images (SPEC §2) ------------------------------------------------------------

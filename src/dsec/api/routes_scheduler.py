@@ -132,6 +132,8 @@ class ClusterNode(BaseModel):
     lost_at: float | None = Field(None, description="Unix time the node was last marked lost")
     lost_detect_s: float | None = Field(None, description="Last good heartbeat -> marked lost, seconds")
     reconciled: list[str] = Field(default_factory=list, description="Sandboxes it destroyed when it came back")
+    restored: dict[str, str] = Field(default_factory=dict, description="Its checkpointed sandboxes restored "
+                                     "elsewhere after the loss: sandbox id -> new node")
 
 
 def _cluster(ctx: Any) -> Any:

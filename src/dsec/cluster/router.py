@@ -85,7 +85,9 @@ class ClusterRouter:
                         "last_heartbeat_age_s": round(now - last, 3) if last is not None else None,
                         "lost_at": hb.lost_at.get(nid) if hb is not None else None,
                         "lost_detect_s": hb.detect_s.get(nid) if hb is not None else None,
-                        "reconciled": hb.reconciled.get(nid, []) if hb is not None else []})
+                        "reconciled": hb.reconciled.get(nid, []) if hb is not None else [],
+                        "restored": (hb.recovery.restored.get(nid, {}) if hb is not None and hb.recovery is not None
+                                     else {})})
         return out
 
     # --- routing ------------------------------------------------------------------------

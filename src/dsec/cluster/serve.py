@@ -60,6 +60,12 @@ def build_cluster(settings: Settings) -> Any:
     router.background.append(joins.run)
     beats = Heartbeats(settings, router, driver)
     router.heartbeats = beats  # GET /v1/nodes reads it
+    if driver is not None and settings.cluster_restore_lost:
+        from dsec.blobs import open_checkpoint_store
+        from dsec.cluster.checkpoints import ClusterCheckpoints
+
+        beats.recovery = LostRecovery(router, driver, ClusterCheckpoints(settings, open_checkpoint_store(settings),
+                                                                         router), state.get_tenant)
     router.background.append(beats.run)
     return services
 
@@ -76,6 +82,8 @@ class Heartbeats:
         self.lost_at: dict[str, float] = {}  # node id -> time.time() it was marked lost
         self.detect_s: dict[str, float] = {}  # node id -> last good heartbeat -> marked lost (s)
         self.reconciled: dict[str, list[str]] = {}  # node id -> sandboxes it destroyed on coming back
+        self.recovery: LostRecovery | None = None  # restores checkpointed sandboxes of a lost node
+        self._bg: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         took = 0.0
@@ -136,8 +144,11 @@ class Heartbeats:
         if hasattr(agent, "mark_lost"):
             agent.mark_lost()  # calls in flight end with NodeLost now
         gone = {sid for sid, n in self.router.where.items() if n == nid}
+        owned: list[tuple[str, str]] = []  # (sandbox id, tenant name) of users' sandboxes there
         if self.driver is not None and nid in self.driver.sched.cluster.nodes:
-            gone |= {r.sandbox_id for r in self.driver.sched.residents.get(nid, {}).values()}
+            residents = list(self.driver.sched.residents.get(nid, {}).values())
+            gone |= {r.sandbox_id for r in residents}
+            owned = sorted((r.sandbox_id, r.tenant) for r in residents if not r.pool and r.tenant)
             self.driver.sched.node_lost(nid, self.driver.clock())  # capacity released, placed creates retried
             self.driver._wake.set()
         self.router.given_up[nid] = self.router.given_up.get(nid, set()) | gone
@@ -145,6 +156,10 @@ class Heartbeats:
         self.detect_s[nid] = round(now - self.last_ok[nid], 3)
         log.warning("node %s lost (no good heartbeat for %.1fs): %d sandboxes given up", nid, self.detect_s[nid],
                     len(gone))
+        if self.recovery is not None and owned:
+            task = asyncio.ensure_future(self.recovery.run(nid, owned))
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
 
     async def _come_back(self, nid: str) -> None:
         """Reconcile: destroy what the control plane gave up (the clients were told 410),
@@ -164,7 +179,8 @@ class Heartbeats:
                     pass
                 destroyed.append(info.id)
         self.router.given_up.pop(nid, None)
-        self.router.where = {s: n for s, n in self.router.where.items() if s not in give}
+        # Only its own entries: a given-up sandbox restored elsewhere keeps its new place.
+        self.router.where = {s: n for s, n in self.router.where.items() if not (s in give and n == nid)}
         if self.driver is not None and nid in self.driver.sched.cluster.nodes:
             await self.driver._adopt(nid, agent)
             self.driver.sched.set_node_health(nid, True)
@@ -253,3 +269,41 @@ def scheduler(settings: Settings, router: Any) -> Any:
     driver = SchedulerDriver(sched, router.agents, settings, image_resolver=catalog)
     driver.images_catalog = catalog  # type: ignore[attr-defined]  # grown by Membership
     return driver
+
+
+class LostRecovery:
+    """Sandboxes of a lost node that have a checkpoint come back on another node: the
+    latest checkpoint is restored through the scheduler (queued, placed, accounted like
+    any create) under the SAME sandbox id, so clients that got 410 meanwhile find it
+    again. Sandboxes without a checkpoint stay lost (410). Files are the checkpoint's;
+    what ran after it is not replayed."""
+
+    def __init__(self, router: Any, driver: Any, checkpoints: Any, get_tenant: Any) -> None:
+        self.router, self.driver, self.checkpoints, self.get_tenant = router, driver, checkpoints, get_tenant
+        self.restored: dict[str, dict[str, str]] = {}  # node id -> {sandbox id: new node}
+
+    async def run(self, nid: str, owned: list[tuple[str, str]]) -> None:
+        from dsec.cluster.checkpoints import RestoreCreator
+        from dsec.models import SandboxSpec
+        from dsec.node.api import RestoreSource
+
+        for sid, tenant in owned:
+            try:
+                rec = await self.get_tenant(tenant)
+                if rec is None:
+                    continue
+                cks = await self.checkpoints.list(rec.uid, sid)
+                if not cks:
+                    continue
+                ck = max(cks, key=lambda c: c.created_at)
+                meta = await self.checkpoints.load(rec.uid, ck.id)
+                spec = SandboxSpec.model_validate(meta.spec).model_copy(update={"request_id": f"recover-{ck.id}"})
+                info = await self.driver.create(spec, sid, tenant, via=RestoreCreator(
+                    self.router, RestoreSource(tenant=rec.uid, checkpoint_id=ck.id)))
+            except errors.DSecError as e:
+                log.error("restoring %s (lost with node %s) failed: %s", sid, nid, e.message)
+                continue
+            self.router.where[sid] = info.node or ""
+            self.restored.setdefault(nid, {})[sid] = info.node or ""
+            log.warning("sandbox %s (lost with node %s) restored on %s from checkpoint %s", sid, nid, info.node,
+                        ck.id)

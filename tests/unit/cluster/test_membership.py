@@ -119,3 +119,71 @@ def test_node_ls_takes_draining_and_lost_from_the_server() -> None:
     assert [r["state"] for r in merge_server_states(rows, server)] == ["ready", "draining", "lost"]
     assert merge_server_states(rows, None) == rows
     assert [r["state"] for r in merge_server_states(rows, [{"id": "n0", "state": "lost"}])] == ["lost", "ready", "lost"]
+
+
+async def test_lost_nodes_checkpointed_sandbox_is_restored_elsewhere_same_id(tmp_path: Path) -> None:
+    """When a node is lost, a sandbox of it that has a checkpoint is restored through the
+    scheduler on another node under the same id with the checkpoint's files (latest
+    checkpoint); one without a checkpoint stays lost (NodeLost)."""
+    from types import SimpleNamespace
+
+    from dsec.cluster.router import ClusterRouter
+    from dsec.cluster.serve import Heartbeats, LostRecovery
+    from dsec.config import Settings
+    from dsec.control.driver import SchedulerDriver
+    from dsec.control.scheduler import Scheduler
+    from dsec.testing import FakeNodeAgent
+    from dsec.testing.fake_node import FakeCheckpointStore
+
+    class Ckpts:
+        async def list(self, tenant: str, sandbox_id: str) -> list:  # type: ignore[type-arg]
+            return [u.info for (t, _), u in store.units.items() if t == tenant and u.info.sandbox_id == sandbox_id]
+
+        async def load(self, tenant: str, checkpoint_id: str) -> SimpleNamespace:
+            return SimpleNamespace(spec=store.units[(tenant, checkpoint_id)].spec.model_dump())
+
+    async def get_tenant(name: str) -> SimpleNamespace:
+        return SimpleNamespace(uid="uid-" + name)
+
+    s = Settings(home=tmp_path, cluster_heartbeat_timeout_s=0.05, cluster_node_lost_after_s=0.1,
+                 batch_window_s=0.01, retry_backoff_s=0.01)
+    store = FakeCheckpointStore()
+    a, b = FakeNodeAgent(s, node_id="a", checkpoints=store), FakeNodeAgent(s, node_id="b", checkpoints=store)
+    router = ClusterRouter({"a": a, "b": b})
+    await router.start()
+    driver = SchedulerDriver(Scheduler(s), router.agents, s)
+    await driver.start()
+    beats = Heartbeats(s, router, driver)
+    beats.recovery = LostRecovery(router, driver, Ckpts(), get_tenant)
+
+    async def no_ray() -> dict[str, bool]:
+        return {}
+
+    beats._ray_alive = no_ray  # type: ignore[method-assign]
+    shape = SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G")
+    try:
+        x = await driver.create(shape, "sb-x", "t")
+        victim = {"a": a, "b": b}[x.node]
+        other = b if victim is a else a
+        y = await victim.create(shape, sandbox_id="sb-y", tenant="t")  # no checkpoint
+        driver.sched.adopt(victim.node_id, y.id, "t", 1, 1 << 30, 1 << 30, driver.clock())
+        router.where.update({x.id: victim.node_id, y.id: victim.node_id})
+        await router.write_file(x.id, "/work/state", b"step 7")
+        await victim.checkpoint(x.id, "uid-t")
+        await beats.beat()
+
+        async def silent() -> None:
+            await asyncio.Event().wait()
+
+        victim.health = silent  # type: ignore[method-assign, assignment]
+        await asyncio.sleep(0.15)
+        await beats.beat()
+        assert router.states[victim.node_id] is N.lost
+        await asyncio.gather(*beats._bg)
+        assert beats.recovery.restored == {victim.node_id: {x.id: other.node_id}}
+        assert x.id in other.sandboxes and await router.read_file(x.id, "/work/state") == b"step 7"
+        with pytest.raises(errors.NodeLost):
+            await router.exec(y.id, ExecRequest(cmd="true"))
+    finally:
+        await driver.close()
+        await router.close()
