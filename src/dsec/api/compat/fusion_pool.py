@@ -120,7 +120,14 @@ class FusionPools:
 
     async def _grow(self, tenant: TenantRecord, key: PoolKey, pool: _Pool) -> None:
         try:
-            member = await self._create(tenant, key)
+            try:
+                member = await self._create(tenant, key)
+            except DSecError as e:
+                # The first member of a pool found no room, while other pools sit on idle
+                # members (another language, another memory size): give their room back, retry once.
+                if e.http_status not in (429, 503) or pool.size > 1 or not await self._free_room(key):
+                    raise
+                member = await self._create(tenant, key)
         except BaseException as e:
             pool.size -= 1
             if isinstance(e, DSecError) and e.http_status in (429, 503) and pool.size > 0:
@@ -191,6 +198,19 @@ class FusionPools:
         member.last_used = time.monotonic()
         if not self._wake(pool, member):
             pool.free.append(member)
+
+    async def _free_room(self, needy: PoolKey) -> bool:
+        """Kill the idle members of every other pool (least recently used first); True if any."""
+        victims: list[_Member] = []
+        for key, pool in self._pools.items():
+            if key != needy and pool.free:
+                victims += pool.free
+                pool.size -= len(pool.free)
+                pool.free.clear()
+        victims.sort(key=lambda m: m.last_used)
+        self.counters["trimmed"] += len(victims)
+        await asyncio.gather(*(self._kill(m) for m in victims))
+        return bool(victims)
 
     def _retire(self, key: PoolKey, pool: _Pool, m: _Member) -> None:
         pool.size -= 1
