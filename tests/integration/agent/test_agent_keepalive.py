@@ -98,7 +98,7 @@ async def test_dead_pooled_connection_is_replaced(sock: Path) -> None:
     agent_forget(sock)
     h = await _handler(sock)
     await agent_background(sock, ["kill", "-9", str(h)], env=ENV, cwd="/")
-    time.sleep(0.3)  # blocking on purpose: the loop must not notice the EOF before the next exec
+    time.sleep(0.3)  # noqa: ASYNC251 - blocking on purpose: the loop must not see the EOF before the next exec
     marker = f"/tmp/once-{time.monotonic_ns()}"
     r = await sh(sock, f"echo x >> {marker}; wc -l < {marker}; rm -f {marker}")
     assert (r.exit_code, r.stdout.strip()) == (0, b"1")
