@@ -44,8 +44,8 @@ def test_raylet_kill_is_lost_within_10s_then_reconciled(tmp_path: Path) -> None:
     """kill -9 n1's raylet: GET /v1/nodes shows n1 lost within 10 s (detection time
     printed); its sandbox answers 410 node_lost within 2 s for get, exec and files; a new
     create lands on n0; n1 restarted rejoins, destroys the given-up sandbox (listed in
-    `reconciled`, its cgroup gone) and is ready again. Detection time is printed
-    (FIGURES)."""
+    `reconciled`, its cgroup gone) and is ready again. A second n1 sandbox that was
+    checkpointed runs again on n0 under its id with its files. Times are printed (FIGURES)."""
     from test_cluster_e2e import SHAPE
 
     from dsec.api.launch import start_serve
@@ -56,12 +56,21 @@ def test_raylet_kill_is_lost_within_10s_then_reconciled(tmp_path: Path) -> None:
     tag = c.address.rpartition(":")[2]
     srv = None
     try:
-        srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c)}, timeout=240)
+        # The box's own load (other work on a shared 2-core machine) must not refuse the
+        # creates this test places: the measured-load guard is not what it checks.
+        srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c),
+                                             "DSEC_OVERCOMMIT_THRESHOLD": "100"}, timeout=240)
         with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=60) as http:
-            made = [http.post("/v1/sandboxes", json=SHAPE).json() for _ in range(4)]
+            made: list[dict] = []  # type: ignore[type-arg]
+            while len([m for m in made if m.get("node") == "n1"]) < 2:
+                assert len(made) < 10, made
+                made.append(http.post("/v1/sandboxes", json=SHAPE).json())
             on_n1 = [m for m in made if m.get("node") == "n1"]
-            assert on_n1 and all(m.get("node") in ("n0", "n1") for m in made), made
-            victim = on_n1[0]
+            assert all(m.get("node") in ("n0", "n1") for m in made), made
+            victim, saved = on_n1[0], on_n1[1]  # saved has a checkpoint: restored on n0 after the loss
+            assert http.put(f"/v1/sandboxes/{saved['id']}/files", params={"path": "/work/state"},
+                            content=b"step 7").status_code == 204
+            assert http.post(f"/v1/sandboxes/{saved['id']}/checkpoints").status_code == 201
             assert http.post(f"/v1/sandboxes/{victim['id']}/exec", json={"cmd": "true"}).status_code == 200
             assert _node(http, "n1")["state"] == "ready"
             assert list(Path("/sys/fs/cgroup").glob(f"*/dsec-{tag}-n1/{victim['id']}"))
@@ -84,8 +93,18 @@ def test_raylet_kill_is_lost_within_10s_then_reconciled(tmp_path: Path) -> None:
                 assert "node lost" in r.json()["message"] and took < 2, (path, took)
             fresh = http.post("/v1/sandboxes", json=SHAPE)
             assert fresh.status_code == 201 and fresh.json()["node"] == "n0", fresh.text
+            # The checkpointed one runs again on n0 under its id, with the checkpoint's files.
+            while (got := http.get(f"/v1/sandboxes/{saved['id']}")).status_code != 200:
+                assert got.status_code == 410 and time.monotonic() - t0 < 60, got.text
+                time.sleep(0.1)
+            restored = time.monotonic() - t0
+            assert got.json()["node"] == "n0", got.text
+            r = http.post(f"/v1/sandboxes/{saved['id']}/exec", json={"cmd": "cat /work/state"})
+            assert r.status_code == 200 and r.json()["stdout"] == "step 7", r.text
+            assert _node(http, "n1")["restored"] == {saved["id"]: "n0"}
             print("FIGURES", json.dumps({"raylet_kill_to_lost_s": round(detected, 2),
-                                         "heartbeat_gap_at_loss_s": row["lost_detect_s"]}))
+                                         "heartbeat_gap_at_loss_s": row["lost_detect_s"],
+                                         "raylet_kill_to_checkpointed_sandbox_running_on_n0_s": round(restored, 2)}))
 
             # The node comes back: its `ray start` exited with its raylet; run it again.
             end = time.monotonic() + 30
@@ -102,10 +121,13 @@ def test_raylet_kill_is_lost_within_10s_then_reconciled(tmp_path: Path) -> None:
             assert {m["id"] for m in on_n1} <= set(row["reconciled"]), row
             for m in on_n1:
                 assert not list(Path("/sys/fs/cgroup").glob(f"*/dsec-{tag}-n1/{m['id']}")), m
+                if m is saved:  # its restored copy on n0 is untouched by n1's reconcile
+                    assert http.get(f"/v1/sandboxes/{m['id']}").json()["node"] == "n0"
+                    continue
                 got = http.get(f"/v1/sandboxes/{m['id']}")  # gone, or the node's record of a destroyed one
                 assert got.status_code in (404, 410) or got.json()["state"] in ("stopped", "destroyed"), got.text
             for m in [*made, fresh.json()]:
-                if m not in on_n1:
+                if m not in on_n1 or m is saved:
                     assert http.delete(f"/v1/sandboxes/{m['id']}").status_code == 204
     finally:
         if srv is not None:
