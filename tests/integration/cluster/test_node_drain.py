@@ -32,7 +32,9 @@ def test_drain_then_migrate(tmp_path: Path) -> None:
     tag = c.address.rpartition(":")[2]
     srv = None
     try:
-        srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c)}, timeout=240)
+        # The shared box's own load must not refuse these creates (not what this test checks).
+        srv = start_serve(tmp_path / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c),
+                                             "DSEC_OVERCOMMIT_THRESHOLD": "100"}, timeout=240)
         env = {**os.environ, "DSEC_URL": srv.url, "DSEC_TOKEN": srv.token}
         with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=120) as http:
             made = [http.post("/v1/sandboxes", json=SHAPE).json() for _ in range(4)]
