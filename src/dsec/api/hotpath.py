@@ -1,6 +1,7 @@
-"""A pure-ASGI fast path for the one request an RL trainer sends thousands of times a
-second: ``POST /v1/sandboxes/{sandbox_id}/exec`` (plus ``GET /health``, which probes
-must get through even when the server is busy).
+"""A pure-ASGI fast path for the requests an RL trainer sends thousands of times a
+second: ``POST /v1/sandboxes/{sandbox_id}/exec`` and ``POST /v1/sandboxes`` (a create,
+most often a warm-pool hand-over whose budget is a few ms; issue 15), plus
+``GET /health``, which probes must get through even when the server is busy.
 
 Why: profiling a trivial exec (py-spy on ``dsec serve``) showed FastAPI's generic
 machinery — five framework middlewares, the route scan, dependency solving, body
@@ -30,10 +31,11 @@ from pydantic import ValidationError
 from dsec import __version__
 from dsec.api.deps import ID_PATTERN
 from dsec.api.errors import error_response, validation_error
+from dsec.api.guard import TENANT_KEY
 from dsec.api.schemas import Health
 from dsec.api.services import Services
 from dsec.errors import DSecError, PayloadTooLarge
-from dsec.models import ExecRequest, ExecResult
+from dsec.models import ExecRequest, ExecResult, SandboxSpec
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -57,6 +59,7 @@ class _Route:
 
 
 _EXEC_ROUTE = _Route("/v1/sandboxes/{sandbox_id}/exec")
+_CREATE_ROUTE = _Route("/v1/sandboxes")
 _HEALTH_ROUTE = _Route("/health")
 
 
@@ -82,6 +85,10 @@ class HotPath:
                     scope["route"] = _EXEC_ROUTE
                     await self._exec(m.group(1), scope, receive, send)
                     return
+                if path == "/v1/sandboxes":
+                    scope["route"] = _CREATE_ROUTE
+                    await self._create(scope, receive, send)
+                    return
             elif method == "GET" and path == "/health":
                 scope["route"] = _HEALTH_ROUTE
                 await self._health(send)
@@ -97,7 +104,7 @@ class HotPath:
     async def _exec(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
         svc = self.svc
         try:
-            tenant = await svc.auth.authenticate(_header(scope, b"authorization"))
+            tenant = await _tenant(svc, scope)
             body = await _body(receive, svc.settings.max_upload_bytes)
             if not _ID.match(sandbox_id):
                 raise validation_error([{"loc": ("path", "sandbox_id"),
@@ -105,10 +112,7 @@ class HotPath:
             try:
                 req = ExecRequest.model_validate_json(body)
             except ValidationError as e:
-                errs = [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
-                if any(x["type"] == "json_invalid" for x in errs):  # as FastAPI reports it
-                    errs = [{"loc": ("body", 0), "msg": "JSON decode error"}]
-                raise validation_error(errs) from None
+                raise _body_error(e) from None
             res = await self._slotted(svc.sandboxes.exec(tenant, sandbox_id, req))
         except DSecError as err:
             await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
@@ -121,6 +125,28 @@ class HotPath:
             return
         await _reply(send, 200, res.model_dump_json().encode())
 
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/sandboxes`` exactly as the FastAPI route answers it (201 + SandboxInfo)."""
+        svc = self.svc
+        try:
+            tenant = await _tenant(svc, scope)
+            body = await _body(receive, svc.settings.api_max_json_bytes)
+            try:
+                spec = SandboxSpec.model_validate_json(body)
+            except ValidationError as e:
+                raise _body_error(e) from None
+            info = await svc.sandboxes.create(tenant, spec)
+        except DSecError as err:
+            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
+            return
+        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
+            log.exception("unhandled error on POST %s", scope["path"])
+            await _reply(send, 500, json.dumps({
+                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
+                "for details", "details": {}}).encode())
+            return
+        await _reply(send, 201, info.model_dump_json().encode())
 
     async def _slotted(self, op: Coroutine[Any, Any, ExecResult]) -> ExecResult:
         """Run ``op`` holding an exec slot until it finishes or ``hold`` passes.
@@ -145,6 +171,20 @@ class HotPath:
         finally:
             self._slots.release()
         return await task  # cancelling this request cancels the task as well
+
+
+def _body_error(e: ValidationError) -> DSecError:
+    """A body that fails its model, worded as FastAPI reports it."""
+    errs = [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
+    if any(x["type"] == "json_invalid" for x in errs):
+        errs = [{"loc": ("body", 0), "msg": "JSON decode error"}]
+    return validation_error(errs)
+
+
+async def _tenant(svc: Services, scope: Scope) -> Any:
+    """The tenant ``RequestGuard`` (in front of us) already authenticated, else authenticate."""
+    tenant = scope.get(TENANT_KEY)
+    return tenant if tenant is not None else await svc.auth.authenticate(_header(scope, b"authorization"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -106,3 +106,42 @@ async def test_hot_path_unexpected_error_is_500_json(tmp_path: Path) -> None:
         assert answers[0] == answers[1] and answers[0][0] == 500 and answers[0][1]["code"] == "internal"
     finally:
         await env.services.close()
+
+
+async def test_hot_path_create_matches_fastapi_route(tmp_path: Path) -> None:
+    """``POST /v1/sandboxes`` on the fast path (issue 15: a warm hand-over's budget is a
+    few ms) answers exactly what the FastAPI route answers: status, error code, named
+    fields, and the created sandbox's fields."""
+    env = await make_env(tmp_path)
+    try:
+        ref = create_app(env.services, manage_lifecycle=False, hot_path=False)
+        tok = {"authorization": f"Bearer {env.alice_token}"}
+        cases = [
+            (tok, {"json": {"image": "busybox", "cpu": 1, "labels": {"run": "r1"}}}),
+            ({}, {"json": {"image": "busybox"}}),
+            ({"authorization": "Bearer nope"}, {"json": {"image": "busybox"}}),
+            (tok, {"json": {"image": "busybox", "cpu": -1}}),
+            (tok, {"json": {"image": "busybox", "bogus": 1}}),
+            (tok, {"json": {}}),
+            (tok, {"json": {"image": "no-such-image"}}),
+            (tok, {"content": b"not json", "headers": {"content-type": "application/json"}}),
+        ]
+        fast_t, ref_t = env.alice._transport, httpx.ASGITransport(app=ref)
+        statuses = []
+        for headers, kw in cases:
+            answers = []
+            extra = kw.pop("headers", {})
+            for transport in (fast_t, ref_t):
+                async with httpx.AsyncClient(transport=transport, base_url="http://dsec") as c:
+                    r = await c.post("/v1/sandboxes", headers={**headers, **extra}, **kw)
+                body = r.json()
+                if r.status_code == 201:  # room for the next case
+                    await env.alice.delete(f"/v1/sandboxes/{body['id']}")
+                fields = sorted(f["field"] for f in body.get("details", {}).get("fields", []))
+                answers.append((r.status_code, body.get("code"), fields, body.get("image"), body.get("labels"),
+                                sorted(body) if r.status_code == 201 else None))
+            assert answers[0] == answers[1], (headers, kw, answers)
+            statuses.append(answers[0][0])
+        assert statuses == [201, 401, 401, 422, 422, statuses[5], 404, 422]
+    finally:
+        await env.services.close()
