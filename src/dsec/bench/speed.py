@@ -11,6 +11,24 @@
 
 Run: ``dsec bench speed`` or ``python -m dsec.bench.speed [--only gvisor,episodes,...]``
 (root; imports busybox into temporary homes).
+
+Where the time goes (py-spy on ``dsec serve``, 2-core VM at load ~8-13, 2026-11-30):
+
+- Short episodes (~10-15/s with 8 workers, every start a warm hand-over): the node's
+  worker threads spend most of their samples in teardown, ``_release_kernel_resources``
+  (~40 % of all samples): ``rmtree`` of the sandbox dir and cgroup ``rmdir`` (kernel
+  cgroup/VFS locks, contended by concurrent creates' mounts), ``umount`` of the overlay
+  and scratch tmpfs, ``wait_gone``. Each episode also triggers a pool refill, i.e. a full
+  cold create (~110-250 ms here: tmpfs + overlay mounts, ``runc run``). 100/s needs
+  episodes to stop paying create + destroy: recycle the sandbox in place (``sb.reset``,
+  ~5 ms) instead of destroy + refill.
+- Warm hand-over (create call ~5 ms + first exec ~3-4 ms at load ~2): the create is
+  HTTP both ways, admission, four state-store hops (request id reserve, owner record,
+  then owner + dead id + answer together) and the node's claim (a SQLite record write on
+  the loop); the exec is HTTP both ways plus the agent round trip (~1.4-2 ms: fork+exec
+  of the command inside the sandbox).
+- gVisor exec: one process creation inside gVisor costs ~15x the native one on the ptrace
+  platform (``in_sandbox_fork_exec_ms``); an agent exec there is ~2x that floor.
 """
 
 from __future__ import annotations
