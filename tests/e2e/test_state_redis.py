@@ -191,10 +191,10 @@ async def _flush(url: str, cls) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 @pytest.mark.xfail(strict=True,
-                   reason="node layer, not the state store: with two local nodes on one host (own HOME, "
-                          "cgroup parent, CIDR), the second node's creates hang (the API awaits the node's "
-                          "create; py-spy shows both loops idle); intermittent on 2026-11-30, reported. "
-                          "The failover itself passes in tests/unit/sdk/test_sdk_failover.py (one node)")
+                   reason="node/serve layer, not the state store (reported 2026-11-30): with two `dsec serve` "
+                          "processes on one host each with its own node, server B's creates hang after the "
+                          "failover (the API awaits the node's create; both loops idle in py-spy); the same "
+                          "B in-process answers. Strict: remove this marker when it passes")
 def test_two_servers_one_state_client_fails_over_mid_burst(pair: tuple[Server, Server, dict]) -> None:
     """A tenant made on A is valid on B. A burst of creates from a client given [A, B]:
     A is killed -9 mid-burst; every create still succeeds, each request id gets one
@@ -237,7 +237,7 @@ def test_two_servers_one_state_client_fails_over_mid_burst(pair: tuple[Server, S
         os.kill(a.proc.pid, signal.SIGKILL)  # mid-burst: creates are in flight on A
         t_kill = time.monotonic()
         for f in futs:
-            f.result(timeout=150)  # every create finishes (on B)
+            f.result(timeout=90)  # every create finishes (on B)
     took = time.monotonic() - t_kill
     a.proc.wait(10)
     client.close()
