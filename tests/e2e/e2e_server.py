@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.api.launch import reap_home
+
+__all__ = ["DSEC", "Server", "ensure_images", "reap_home", "running_server", "start_server"]
+
 DSEC = str(Path(sys.executable).parent / "dsec")
 
 
@@ -59,26 +63,6 @@ def ensure_images(home: Path, only: list[str]) -> None:
 
     settings = Settings(home=home)
     ensure_stock(ImageStore(home / "images", settings), only=only, log=lambda _: None)
-
-
-def reap_home(home: Path) -> None:
-    """After the server stopped: adopt and destroy whatever sandboxes remain under ``home``
-    (e.g. warm-pool members no tenant can see), so no test leaves a mount or process."""
-    import asyncio
-
-    from dsec.config import Settings
-    from dsec.node.agent import LocalNodeAgent
-
-    async def reap() -> None:
-        node = LocalNodeAgent(Settings(home=home))
-        await node.start()
-        try:
-            for info in await node.list():
-                await node.destroy(info.id)
-        finally:
-            await node.close()
-
-    asyncio.run(reap())
 
 
 def start_server(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 120) -> Server:

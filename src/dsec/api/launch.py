@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec.config import Settings
 from dsec.errors import DSecError
 
 
@@ -64,3 +66,23 @@ def start_serve(home: Path, extra_env: dict[str, str] | None = None, *, log_name
             proc.wait(10)
             raise DSecError(f"`dsec serve` did not come up within {timeout:g}s; see {log}")
         time.sleep(0.05)
+
+
+def reap_home(home: Path, settings: Settings | None = None) -> None:
+    """After the server stopped: adopt and destroy whatever sandboxes remain under ``home``
+    (e.g. warm-pool members no tenant can see), so nothing leaves a mount or process behind
+    (and a later rmtree of ``home`` does not trip over one). ``settings`` defaults to
+    ``Settings(home=home)``."""
+    # Imported here: the node layer is heavy and launching a server does not need it.
+    from dsec.node.agent import LocalNodeAgent
+
+    async def reap() -> None:
+        node = LocalNodeAgent(settings if settings is not None else Settings(home=home))
+        await node.start()
+        try:
+            for info in await node.list():
+                await node.destroy(info.id)
+        finally:
+            await node.close()
+
+    asyncio.run(reap())

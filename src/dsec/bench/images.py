@@ -240,12 +240,9 @@ def _pull_skopeo(ref: str, work: Path) -> tuple[float, float]:
 def _cold_create(reg: _LocalRegistry, work: Path) -> dict:
     """A real ``dsec serve`` whose store lacks the image, ``image_registry`` = the local
     registry: create (which pulls) -> first exec, then a warm create -> first exec."""
-    import asyncio
-
     import httpx
 
-    from dsec.api.launch import start_serve
-    from dsec.node.agent import LocalNodeAgent
+    from dsec.api.launch import reap_home, start_serve
 
     home = work / "cold-node"
     srv = start_serve(home, {"DSEC_IMAGE_REGISTRY": reg.host}, log_level="info")
@@ -267,19 +264,8 @@ def _cold_create(reg: _LocalRegistry, work: Path) -> dict:
         out["pull_s"] = float(pulled[-1].rsplit(" in ", 1)[1].rstrip("s")) if pulled else None
         out["pull_share_of_cold_create"] = (out["pull_s"] / out["cold"]["create_s"]) if pulled else None
     finally:
-        srv.proc.terminate()
-        srv.proc.wait(60)
-
-        async def reap() -> None:
-            node = LocalNodeAgent(load_settings(home=home))
-            await node.start()
-            try:
-                for info in await node.list():
-                    await node.destroy(info.id)
-            finally:
-                await node.close()
-
-        asyncio.run(reap())
+        srv.stop()
+        reap_home(home, load_settings(home=home))
     return out
 
 

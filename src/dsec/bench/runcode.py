@@ -101,7 +101,7 @@ def _reset_median(url: str, token: str, rounds: int) -> dict[str, Any]:
 
 def run(calls: int = 512, concurrency: int = 64, podman_calls: int = 64, reset_rounds: int = 200,
         home: Path | None = None, progress: Callable[[str], None] = print) -> dict[str, Any]:
-    from dsec.api.launch import start_serve
+    from dsec.api.launch import reap_home, start_serve
     from dsec.config import Settings
     from dsec.images import ImageStore
     from dsec.images.stock import ensure_stock, python_rootfs
@@ -136,25 +136,8 @@ def run(calls: int = 512, concurrency: int = 64, podman_calls: int = 64, reset_r
             "authorization": f"Bearer {srv.token}"}).json()["pools"]
     finally:
         srv.stop()
-        _reap(home)
+        reap_home(home)
     return _finish(report, store, python_rootfs, calls, concurrency, podman_calls, progress, tmp)
-
-
-def _reap(home: Path) -> None:
-    """Destroy whatever sandboxes the stopped server left under ``home`` (before any rmtree)."""
-    from dsec.config import Settings
-    from dsec.node.agent import LocalNodeAgent
-
-    async def reap() -> None:
-        node = LocalNodeAgent(Settings(home=home))
-        await node.start()
-        try:
-            for info in await node.list():
-                await node.destroy(info.id)
-        finally:
-            await node.close()
-
-    asyncio.run(reap())
 
 
 def _finish(report: dict[str, Any], store: Any, python_rootfs: Any, calls: int, concurrency: int,

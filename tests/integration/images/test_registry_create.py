@@ -5,7 +5,6 @@ Refs outside the configured registry are never fetched."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import time
 from collections.abc import Iterator
@@ -15,28 +14,12 @@ import httpx
 import pytest
 from registry_env import Registry, free_port
 
-from dsec.api.launch import ServeProcess, start_serve
+from dsec.api.launch import ServeProcess, reap_home, start_serve
 from dsec.config import load_settings
 from dsec.images import ImageStore
 from dsec.images.registry_ops import push
 
 pytestmark = pytest.mark.integration
-
-
-def _reap(home: Path) -> None:
-    from dsec.config import Settings
-    from dsec.node.agent import LocalNodeAgent
-
-    async def reap() -> None:
-        node = LocalNodeAgent(Settings(home=home))
-        await node.start()
-        try:
-            for info in await node.list():
-                await node.destroy(info.id)
-        finally:
-            await node.close()
-
-    asyncio.run(reap())
 
 
 @pytest.fixture
@@ -53,9 +36,8 @@ def env(store: ImageStore, tmp_path: Path) -> Iterator[tuple[Registry, ServeProc
                 client.delete(f"/v1/sandboxes/{sb['id']}")
         finally:
             client.close()
-            srv.proc.terminate()
-            srv.proc.wait(60)
-            _reap(home)
+            srv.stop()
+            reap_home(home)
             reg.stop()
 
 
