@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ from dsec.images.registry_ops import Credentials, pull, push
 pytestmark = pytest.mark.integration
 
 DSEC = str(Path(__file__).resolve().parents[3] / ".venv/bin/dsec")
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    reg = Registry(tmp_path)
-    yield reg
-    reg.stop()
 
 
 def fresh_store(tmp_path: Path, name: str = "other", **settings: object) -> ImageStore:

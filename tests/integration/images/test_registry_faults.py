@@ -8,7 +8,6 @@ images already there keep verifying."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,6 @@ from dsec.images.registry_ops import pull, push
 pytestmark = pytest.mark.integration
 
 DSEC = str(Path(__file__).resolve().parents[3] / ".venv/bin/dsec")
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    reg = Registry(tmp_path)
-    yield reg
-    reg.stop()
 
 
 def empty_store(tmp_path: Path) -> ImageStore:
