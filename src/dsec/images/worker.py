@@ -9,40 +9,47 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsec.images.store import ImageStore
+    from dsec.models.image import LayerInfo
 
 
-def main() -> int:
+def _run(job: dict[str, Any]) -> tuple[LayerInfo, ImageStore]:
+    """Do the job; the layer and the store (for its miss count). Raises DSecError."""
     from dsec.config import Settings
-    from dsec.errors import DSecError
     from dsec.images.oci import LayerPlan, Source
     from dsec.images.ops import _import_layer
     from dsec.images.store import ImageStore
+    from dsec.models.image import LayerInfo
 
-    job = json.loads(sys.stdin.read())
+    st = ImageStore(Path(job["root"]), Settings.model_validate_json(job["settings"]))
     if "ensure" in job:  # unpack one layer whose blob is already in the store (registry pull)
-        from dsec.models.image import LayerInfo
-
         try:
-            st = ImageStore(Path(job["root"]), Settings.model_validate_json(job["settings"]))
             li = LayerInfo.model_validate(job["ensure"])
-            try:
-                st.ensure_layer(li)
-            finally:
-                st.db.close()
-        except DSecError as exc:
-            print(json.dumps({"error": exc.to_dict()}))
-            return 1
-        print(json.dumps({"layer": li.model_dump(), "misses": st.misses}))
-        return 0
+            st.ensure_layer(li)
+        finally:
+            st.db.close()
+        return li, st
     archive = Path(job["archive"])
     try:
-        st = ImageStore(Path(job["root"]), Settings.model_validate_json(job["settings"]))
         src = Source(archive)
         try:
             li, _ = _import_layer(st, src, archive, int(job["index"]), LayerPlan(**job["layer"]), None, 0)
         finally:
             src.close()
-            st.db.close()
+    finally:
+        st.db.close()
+    return li, st
+
+
+def main() -> int:
+    from dsec.errors import DSecError
+
+    job = json.loads(sys.stdin.read())
+    try:
+        li, st = _run(job)
     except DSecError as exc:
         print(json.dumps({"error": exc.to_dict()}))
         return 1
