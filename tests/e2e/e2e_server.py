@@ -73,11 +73,12 @@ def start_server(home: Path, extra_env: dict[str, str] | None = None, timeout: f
 
 
 @contextlib.contextmanager
-def running_server(factory: Any, name: str, extra_env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A module's own server (busybox imported into a fresh home); on the way out every
-    sandbox is killed, the server stopped, and what it left behind (pool members) reaped."""
+def running_server(factory: Any, name: str, extra_env: dict[str, str] | None = None,
+                   images: list[str] | None = None) -> Iterator[Server]:
+    """A module's own server (``images``, default busybox, imported into a fresh home); on the
+    way out every sandbox is killed, the server stopped, and what it left behind (pool members) reaped."""
     home = factory.mktemp(name)
-    ensure_images(home, ["busybox"])
+    ensure_images(home, images or ["busybox"])
     srv = start_server(home, extra_env)
     try:
         yield srv

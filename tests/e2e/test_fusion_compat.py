@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_server import Server, ensure_images, reap_home, start_server
+from e2e_server import Server, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +35,10 @@ IMAGES = ["busybox", "python", "cpp"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    home = tmp_path_factory.mktemp("fusion-home")
-    ensure_images(home, IMAGES)
-    srv = start_server(home, {"DSEC_FUSION_POOL_MAX": "8", "DSEC_FUSION_MAX_REQUEST_BYTES": str(4 << 20),
-                              "DSEC_FUSION_MAX_OUTPUT_BYTES": str(64 << 10)})
-    try:
+    with running_server(tmp_path_factory, "fusion-home", {
+            "DSEC_FUSION_POOL_MAX": "8", "DSEC_FUSION_MAX_REQUEST_BYTES": str(4 << 20),
+            "DSEC_FUSION_MAX_OUTPUT_BYTES": str(64 << 10)}, images=IMAGES) as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill_all()
-        srv.stop()
-        reap_home(home)
 
 
 @pytest.fixture(scope="module")

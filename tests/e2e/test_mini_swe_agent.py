@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e_server import Server, ensure_images, reap_home, start_server
+from e2e_server import Server, running_server
 
 from dsec.sdk import Client
 
@@ -26,16 +26,8 @@ MINI = str(Path(sys.executable).parent / "mini")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    home = tmp_path_factory.mktemp("mswea-home")
-    ensure_images(home, ["busybox", "python"])
-    srv = start_server(home)
-    try:
+    with running_server(tmp_path_factory, "mswea-home", images=["busybox", "python"]) as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.kill_all()
-        srv.stop()
-        reap_home(home)
 
 
 def _step(command: str) -> dict:
