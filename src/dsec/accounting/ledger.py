@@ -29,7 +29,8 @@ from dsec.accounting.meter import Accum, Counters, advance, read_counters
 from dsec.accounting.models import LabelQuota, SandboxUsage, UsageGroup, UsageReport
 from dsec.accounting.store import UsageStore
 from dsec.config import Settings
-from dsec.errors import InvalidArgument, NotFound, QuotaExceeded
+from dsec.errors import NotFound, QuotaExceeded
+from dsec.models.sandbox import parse_labels as _parse_labels
 from dsec.state.store import StateStore, TenantRecord
 
 log = logging.getLogger("dsec.usage")
@@ -116,13 +117,7 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def parse_labels(items: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise InvalidArgument(f"label {item!r} must look like key=value (e.g. run=r1)", field="label")
-        labels[k] = v
-    return labels
+    return _parse_labels(items, hint=" (e.g. run=r1)")
 
 
 class UsageLedger:

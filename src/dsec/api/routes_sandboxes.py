@@ -20,19 +20,14 @@ from dsec.api.schemas import (
 )
 from dsec.errors import DSecError, InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
+from dsec.models.sandbox import parse_labels
 from dsec.node.api import ExecEvent
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
 
 def parse_label_filter(items: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise InvalidArgument(f"label filter {item!r} must look like key=value", field="label")
-        labels[k] = v
-    return labels
+    return parse_labels(items, "label filter")
 
 
 @router.post("", response_model=SandboxInfo, status_code=201, summary="Create a sandbox (idempotent by request_id)")

@@ -141,13 +141,13 @@ def human_age(since: float, now: float | None = None) -> str:
 
 
 def parse_labels(items: list[str] | None) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise typer.BadParameter(f"label {item!r} must look like key=value")
-        labels[k] = v
-    return labels
+    # Imported here: the wire models are not needed to start the CLI.
+    from dsec.models.sandbox import parse_labels as parse
+
+    try:
+        return parse(items)
+    except DSecError as e:
+        raise typer.BadParameter(e.message) from None
 
 
 def percentile(values: list[float], q: float) -> float:

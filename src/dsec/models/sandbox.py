@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.config import parse_bytes
+from dsec.errors import InvalidArgument
 
 Isolation = Literal["container", "gvisor"]
 
@@ -158,3 +159,15 @@ class FileEntry(BaseModel):
     mode: int
     type: Literal["file", "dir", "symlink", "other"]
     mtime: float
+
+
+def parse_labels(items: list[str] | None, what: str = "label", hint: str = "") -> dict[str, str]:
+    """``["k=v", ...]`` -> ``{k: v}`` (a value may contain ``=``); an item without ``=`` or
+    with an empty key is refused by name (``{what} 'item' must look like key=value{hint}``)."""
+    labels: dict[str, str] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise InvalidArgument(f"{what} {item!r} must look like key=value{hint}", field="label")
+        labels[k] = v
+    return labels
