@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2e_server import Server, running_server
+from sec_helpers import status_kib
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +33,11 @@ def api(server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-def _status_kib(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
 def _reset_peak(pid: int) -> int:
     """Reset the process's VmHWM to its current RSS (kernel clear_refs 5); returns RSS KiB."""
     with open(f"/proc/{pid}/clear_refs", "w") as fh:
         fh.write("5")
-    return _status_kib(pid, "VmRSS")
+    return status_kib(pid, "VmRSS")
 
 
 def disk_bytes(root: Path) -> int:
@@ -87,7 +80,7 @@ def test_sparse_file_checkpoint_is_bounded_by_disk_quota(server: Server, api: ht
         disk_before = disk_bytes(server.home)
         base_kib = _reset_peak(server.proc.pid)
         r = api.post(f"/v1/sandboxes/{sid}/checkpoints")
-        growth_mib = (_status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
+        growth_mib = (status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
         disk_growth_mib = (disk_bytes(server.home) - disk_before) / MIB
         print(f"[{isolation}] sparse 1G checkpoint: HTTP {r.status_code}, server peak RSS +{growth_mib:.1f} MiB, "
               f"DSEC_HOME disk +{disk_growth_mib:.1f} MiB")
@@ -112,7 +105,7 @@ def test_sparse_file_in_default_disk_sandbox_is_capped(server: Server, api: http
         _exec(api, sid, "truncate -s 4G /big")
         base_kib = _reset_peak(server.proc.pid)
         r = api.post(f"/v1/sandboxes/{sid}/checkpoints")
-        growth_mib = (_status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
+        growth_mib = (status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
         print(f"[default disk] sparse 4G checkpoint: HTTP {r.status_code}, server peak RSS +{growth_mib:.1f} MiB")
         assert r.status_code == 413 and "checkpoint_max_bytes" in r.json()["message"], r.text
         assert growth_mib < 128, growth_mib
@@ -168,7 +161,7 @@ def test_sparse_file_episode_step_is_bounded(server: Server, api: httpx.Client) 
         assert step(0, "echo base > /base").status_code == 200
         base_kib = _reset_peak(server.proc.pid)
         r = step(1, "truncate -s 1G /big")
-        growth_mib = (_status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
+        growth_mib = (status_kib(server.proc.pid, "VmHWM") - base_kib) / 1024
         print(f"episode step with a sparse 1G file: HTTP {r.status_code}, server peak RSS +{growth_mib:.1f} MiB")
         assert r.status_code == 413 and "disk quota" in r.json()["message"], r.text
         assert growth_mib < 128, growth_mib
