@@ -147,6 +147,18 @@ def _swap_root(init_pid: int, tree_fd: int, out: list[BaseException | str]) -> N
         out.append(e)
 
 
+def _swap_root_on_thread(sandbox_id: str, init_pid: int, tree_fd: int, thread_name: str) -> str:
+    """``_swap_root`` on a fresh OS thread (its setns must not touch ours); the stage dir it
+    used, or CloneError naming the sandbox and the cause."""
+    out: list[BaseException | str] = []
+    th = threading.Thread(target=_swap_root, args=(init_pid, tree_fd, out), name=thread_name, daemon=True)
+    th.start()
+    th.join()
+    if not out or not isinstance(out[0], str):
+        raise CloneError(f"sandbox {sandbox_id}: root swap failed: {out[0] if out else 'thread died'}")
+    return out[0]
+
+
 def stack_layer(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, lower_dirs: list[str],
                 disk: int, workdir: str, layer_dir: Path) -> dict[str, float]:
     """Fast path, blocking; the sandbox must be frozen. Moves ``scratch`` to ``layer_dir``
@@ -171,16 +183,10 @@ def stack_layer(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, 
         prepare_root(nroot, workdir, None)
         tree_fd = _sys(SYS_OPEN_TREE, AT_FDCWD, str(nroot).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
         times["mount"] = (time.perf_counter() - t0) * 1000
-        out: list[BaseException | str] = []
-        th = threading.Thread(target=_swap_root, args=(init_pid, tree_fd, out), name=f"dsec-clone-{sandbox_id}",
-                              daemon=True)
-        th.start()
-        th.join()
-        if not out or not isinstance(out[0], str):
-            raise CloneError(f"sandbox {sandbox_id}: root swap failed: {out[0] if out else 'thread died'}")
+        stage = _swap_root_on_thread(sandbox_id, init_pid, tree_fd, f"dsec-clone-{sandbox_id}")
         # The stage dir was made in the old root, i.e. in the frozen layer: leave no trace.
         with contextlib.suppress(OSError):
-            os.rmdir(f"{layer_dir}/upper{out[0]}")
+            os.rmdir(f"{layer_dir}/upper{stage}")
         times["pivot"] = (time.perf_counter() - t0) * 1000
     except BaseException:
         for d in (nroot, nscratch):
@@ -223,13 +229,7 @@ def reroot_fresh(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path,
         syscalls.mount_overlay(str(nroot), lower_dirs, str(nscratch / "upper"), str(nscratch / "work"))
         prepare_root(nroot, workdir, hosts)
         tree_fd = _sys(SYS_OPEN_TREE, AT_FDCWD, str(nroot).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
-        out: list[BaseException | str] = []
-        th = threading.Thread(target=_swap_root, args=(init_pid, tree_fd, out), name=f"dsec-reroot-{sandbox_id}",
-                              daemon=True)
-        th.start()
-        th.join()
-        if not out or not isinstance(out[0], str):
-            raise CloneError(f"sandbox {sandbox_id}: root swap failed: {out[0] if out else 'thread died'}")
+        _swap_root_on_thread(sandbox_id, init_pid, tree_fd, f"dsec-reroot-{sandbox_id}")
     except BaseException:
         for d in (nroot, nscratch):
             with contextlib.suppress(OSError):
