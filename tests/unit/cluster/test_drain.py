@@ -34,24 +34,15 @@ async def test_drain_stops_placement_and_migrates_with_the_same_id(tmp_path: Pat
     stays. Drain again with migrate: the sandbox is checkpointed, destroyed there and
     restored on the other node under the same id with its file; the draining node is
     empty. Unknown node -> NotFound naming it; a lost node -> Conflict."""
+    from fake_cluster import two_fake_nodes
+
     from dsec.cluster.drain import drain
-    from dsec.cluster.router import ClusterRouter
     from dsec.config import Settings
-    from dsec.control.driver import SchedulerDriver
-    from dsec.control.scheduler import Scheduler
     from dsec.models import SandboxSpec
-    from dsec.testing import FakeNodeAgent
-    from dsec.testing.fake_node import FakeCheckpointStore
 
     s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01)
-    store = FakeCheckpointStore()
-    a, b = FakeNodeAgent(s, node_id="a", checkpoints=store), FakeNodeAgent(s, node_id="b", checkpoints=store)
-    router = ClusterRouter({"a": a, "b": b})
-    await router.start()
-    driver = SchedulerDriver(Scheduler(s), router.agents, s)
-    await driver.start()
     shape = {"image": "busybox", "cpu": 1, "memory": "1G", "disk": "1G"}
-    try:
+    async with two_fake_nodes(s) as (store, a, b, router, driver):
         first = await driver.create(SandboxSpec(**shape), "sb-1", "t")  # type: ignore[arg-type]
         src = {"a": a, "b": b}[first.node]
         other = b if src is a else a
@@ -79,6 +70,3 @@ async def test_drain_stops_placement_and_migrates_with_the_same_id(tmp_path: Pat
         with pytest.raises(errors.Conflict) as cf:
             await drain(router, driver, _Loader(store), other.node_id, migrate=True, tenant_uid=_uid)
         assert "lost" in cf.value.message and other.node_id in cf.value.message
-    finally:
-        await driver.close()
-        await router.close()

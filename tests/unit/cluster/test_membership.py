@@ -127,13 +127,10 @@ async def test_lost_nodes_checkpointed_sandbox_is_restored_elsewhere_same_id(tmp
     checkpoint); one without a checkpoint stays lost (NodeLost)."""
     from types import SimpleNamespace
 
-    from dsec.cluster.router import ClusterRouter
+    from fake_cluster import two_fake_nodes
+
     from dsec.cluster.serve import Heartbeats, LostRecovery
     from dsec.config import Settings
-    from dsec.control.driver import SchedulerDriver
-    from dsec.control.scheduler import Scheduler
-    from dsec.testing import FakeNodeAgent
-    from dsec.testing.fake_node import FakeCheckpointStore
 
     class Ckpts:
         async def list(self, tenant: str, sandbox_id: str) -> list:  # type: ignore[type-arg]
@@ -147,21 +144,15 @@ async def test_lost_nodes_checkpointed_sandbox_is_restored_elsewhere_same_id(tmp
 
     s = Settings(home=tmp_path, cluster_heartbeat_timeout_s=0.05, cluster_node_lost_after_s=0.1,
                  batch_window_s=0.01, retry_backoff_s=0.01)
-    store = FakeCheckpointStore()
-    a, b = FakeNodeAgent(s, node_id="a", checkpoints=store), FakeNodeAgent(s, node_id="b", checkpoints=store)
-    router = ClusterRouter({"a": a, "b": b})
-    await router.start()
-    driver = SchedulerDriver(Scheduler(s), router.agents, s)
-    await driver.start()
-    beats = Heartbeats(s, router, driver)
-    beats.recovery = LostRecovery(router, driver, Ckpts(), get_tenant)
-
-    async def no_ray() -> dict[str, bool]:
-        return {}
-
-    beats._ray_alive = no_ray  # type: ignore[method-assign]
     shape = SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G")
-    try:
+    async with two_fake_nodes(s) as (store, a, b, router, driver):
+        beats = Heartbeats(s, router, driver)
+        beats.recovery = LostRecovery(router, driver, Ckpts(), get_tenant)
+
+        async def no_ray() -> dict[str, bool]:
+            return {}
+
+        beats._ray_alive = no_ray  # type: ignore[method-assign]
         x = await driver.create(shape, "sb-x", "t")
         victim = {"a": a, "b": b}[x.node]
         other = b if victim is a else a
@@ -184,6 +175,3 @@ async def test_lost_nodes_checkpointed_sandbox_is_restored_elsewhere_same_id(tmp
         assert x.id in other.sandboxes and await router.read_file(x.id, "/work/state") == b"step 7"
         with pytest.raises(errors.NodeLost):
             await router.exec(y.id, ExecRequest(cmd="true"))
-    finally:
-        await driver.close()
-        await router.close()
