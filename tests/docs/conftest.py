@@ -3,6 +3,7 @@ in a network namespace for the allow-list examples, a tenant per doc file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,14 +42,19 @@ def doc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocServer]:
 
     home = tmp_path_factory.mktemp("doc-home")
     ensure_images(home, ["busybox", "python"])
-    # Its own sandbox address range: another DSec server on this machine (a developer's,
-    # a concurrent test run) may hold the default one.
-    srv = start_server(home, {"DSEC_NET_CIDR": f"10.252.{_free_octet(set())}.0/24"})
+    # Its own sandbox address range and cgroup parent: another DSec server on this machine
+    # (a developer's, a concurrent test run) may hold the default range, and the scheduler's
+    # load probe would count that server's sandboxes' CPU against this one's admissions.
+    parent = f"dsec-doc-{os.getpid()}"
+    srv = start_server(home, {"DSEC_NET_CIDR": f"10.252.{_free_octet(set())}.0/24", "DSEC_CGROUP_PARENT": parent})
     try:
         yield DocServer(srv)
     finally:
         srv.stop()
-        reap_home(home)
+        reap_home(home)  # sandbox records carry their cgroup parent
+        for d in Path("/sys/fs/cgroup").glob(f"*/{parent}"):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # empty once every sandbox is gone
 
 
 @dataclass

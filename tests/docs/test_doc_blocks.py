@@ -42,6 +42,20 @@ def _substitute(block: Block, code: str, sandbox_id: str | None, web: object) ->
     return code.replace("10.0.0.5:8080", f"{web.addr}:{web.port}")  # type: ignore[attr-defined]
 
 
+def _clean(srv, token: str) -> None:  # type: ignore[no-untyped-def]
+    """Each block starts on an empty server, as a reader's first try would: kill what the
+    previous one left (its tenant's sandboxes and the local tenant's, which the E2B and
+    SandboxFusion examples use)."""
+    from dsec.errors import DSecError
+    from dsec.sdk import Client
+
+    for tok in (token, srv.token):
+        with Client(srv.url, tok) as c:
+            for info in c.list():
+                with contextlib.suppress(DSecError):
+                    c.kill(info.id)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_doc_block_runs(block: Block, doc_server, web, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -71,6 +85,7 @@ def test_doc_block_runs(block: Block, doc_server, web, tmp_path: Path) -> None: 
             if sandbox is not None:
                 with contextlib.suppress(NotFound):  # the block may have killed it (dsec kill SB_ID)
                     c.kill(sandbox.id)
+            _clean(srv, token)
     took = time.monotonic() - t0
     assert r.returncode == 0, (f"{block.id} ({block.kind}) exited {r.returncode} after {took:.1f}s\n--- code\n"
                                f"{code}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
