@@ -45,8 +45,13 @@ def doc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocServer]:
     # Its own sandbox address range and cgroup parent: another DSec server on this machine
     # (a developer's, a concurrent test run) may hold the default range, and the scheduler's
     # load probe would count that server's sandboxes' CPU against this one's admissions.
+    # No demand-driven warm pools: each example is a reader's separate first try, and warm
+    # members left by earlier examples (other shapes) would hold CPU reservations that an
+    # all-or-none group needs (README group example; reported on issue 17). Declared pools
+    # (`dsec pool set`) still work.
     parent = f"dsec-doc-{os.getpid()}"
-    srv = start_server(home, {"DSEC_NET_CIDR": f"10.252.{_free_octet(set())}.0/24", "DSEC_CGROUP_PARENT": parent})
+    srv = start_server(home, {"DSEC_NET_CIDR": f"10.252.{_free_octet(set())}.0/24", "DSEC_CGROUP_PARENT": parent,
+                              "DSEC_WARM_POOL_FACTOR": "0"})
     try:
         yield DocServer(srv)
     finally:
