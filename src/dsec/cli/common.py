@@ -141,6 +141,8 @@ def human_age(since: float, now: float | None = None) -> str:
 
 
 def parse_labels(items: list[str] | None) -> dict[str, str]:
+    if not items:  # the common case pays no import (dsec.models pulls pydantic: ~0.1 s)
+        return {}
     # Imported here: the wire models are not needed to start the CLI.
     from dsec.models.sandbox import parse_labels as parse
 
