@@ -123,6 +123,31 @@ def test_uploads_per_tenant_are_capped(srv: Server, client: Client, other_token:
         assert sb.files.read("/tmp/after") == b"slots are back"
 
 
+def test_e2b_uploads_share_the_tenant_upload_slots(srv: Server) -> None:
+    """#5 via the E2B front end: its file upload buffers the body (up to max_upload_bytes),
+    so it takes one of the tenant's api_uploads_per_tenant (4) slots like a native upload;
+    a fifth stalled upload is 429 instead of one more buffer (it had no cap at all)."""
+    with httpx.Client(base_url=srv.url, headers={"x-api-key": srv.token}, timeout=60) as c:
+        r = c.post("/e2b/sandboxes", json={"templateID": "busybox", "timeout": 300})
+        assert r.status_code == 201, r.text
+        sid, access = r.json()["sandboxID"], r.json()["envdAccessToken"]
+        try:
+            hdr = {"e2b-sandbox-id": sid, "x-access-token": access, "content-type": "application/octet-stream",
+                   "content-length": str(1 << 20)}
+            stalled = [open_request(srv.url, "POST", f"/e2b/envd/files?path=/tmp/e{i}", hdr, b"x" * 4096)
+                       for i in range(4)]
+            try:
+                time.sleep(1.0)  # each holds a slot, waiting for the rest of its body
+                fifth = open_request(srv.url, "POST", "/e2b/envd/files?path=/tmp/e5", hdr, b"x" * 4096)
+                assert read_status(fifth, 15) == 429  # after api_file_slot_wait_s without a free slot
+                fifth.close()
+            finally:
+                for s in stalled:
+                    s.close()
+        finally:
+            c.delete(f"/e2b/sandboxes/{sid}")
+
+
 def test_upload_to_a_foreign_sandbox_is_refused_before_its_body(srv: Server, client: Client,
                                                                 other_token: str) -> None:
     """#5: an upload to a sandbox the tenant does not own is 404 from its headers alone

@@ -308,20 +308,24 @@ class EnvdService:
             ctype = request.headers.get("content-type", "")
             limit = self.svc.settings.max_upload_bytes
             query_path = request.query_params.get("path")
-            if ctype.startswith("multipart/form-data"):
-                # Multipart framing adds a few hundred bytes per file on top of the data.
-                body = await read_body_limited(request, limit + 64 * 1024)
-                files = w.parse_multipart(body, ctype)
-                if len(files) == 1 and query_path:
-                    files = [(query_path, files[0][1])]
-            else:
-                if not query_path:
-                    raise InvalidArgument("missing ?path= for an octet-stream upload", field="path")
-                files = [(query_path, await read_body_limited(request, limit))]
-            out = []
-            for path, data in files:
-                await self.svc.sandboxes.write_file(tenant, sid, _absolute(path), data, 0o644)
-                out.append(w.write_info(path))
+            if not ctype.startswith("multipart/form-data") and not query_path:
+                raise InvalidArgument("missing ?path= for an octet-stream upload", field="path")
+            # The body is buffered (up to max_upload_bytes): hold one of the tenant's upload
+            # slots while it is, as the native upload routes do (issue 18 #5), so a tenant's
+            # many stalled uploads cannot pile the server's memory up.
+            async with request.app.state.file_gate.upload(tenant.name):
+                if ctype.startswith("multipart/form-data"):
+                    # Multipart framing adds a few hundred bytes per file on top of the data.
+                    body = await read_body_limited(request, limit + 64 * 1024)
+                    files = w.parse_multipart(body, ctype)
+                    if len(files) == 1 and query_path:
+                        files = [(query_path, files[0][1])]
+                else:
+                    files = [(str(query_path), await read_body_limited(request, limit))]
+                out = []
+                for path, data in files:
+                    await self.svc.sandboxes.write_file(tenant, sid, _absolute(path), data, 0o644)
+                    out.append(w.write_info(path))
         except DSecError as e:
             return self._http_error(e, request)
         return JSONResponse(out)
