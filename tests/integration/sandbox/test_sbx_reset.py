@@ -70,7 +70,9 @@ async def test_reset_kills_fork_bomb_and_keeps_limits(node):
     still what the sandbox was created with."""
     info = await make(node, "container", pids=64)
     await node.exec(info.id, __import__("dsec.models", fromlist=["ExecRequest"]).ExecRequest(
-        cmd="b(){ b|b & }; b", background=True))
+        # Each level sleeps after forking, so the bomb holds the pids limit instead of
+        # dying out between polls (a bare `b|b &` in ash can collapse within milliseconds).
+        cmd="b(){ b|b & sleep 1000; }; b", background=True))
     for _ in range(100):  # the bomb is running (wait for it on a loaded box)
         if len(cgroups.pids_in("dsec", info.id)) > 3:
             break
