@@ -18,11 +18,13 @@ sandbox A made is known to B (owner, request id) but not reachable through it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -133,24 +135,29 @@ def _node_env(redis_url: str, i: int) -> dict[str, str]:
 
 
 def _reap(home: Path, env: dict[str, str]) -> list[str]:
-    """Adopt and destroy what a (dead) server's node left; returns the sandbox ids."""
-    from dsec.config import Settings
-    from dsec.node.agent import LocalNodeAgent
+    """Adopt and destroy what a (dead) server's node left; returns the sandbox ids.
 
-    async def reap() -> list[str]:
-        node = LocalNodeAgent(Settings(home=home, cgroup_parent=env["DSEC_CGROUP_PARENT"],
-                                       net_cidr=env["DSEC_NET_CIDR"], node_id=env["DSEC_NODE_ID"]))
-        await node.start()
-        try:
-            ids = [i.id for i in await node.list()]
-            for sid in ids:
-                await node.destroy(sid)
-            return ids
-        finally:
-            await node.close()
-
-    return asyncio.run(reap())
-
+    In a child process with the node's own environment: the node's cgroup parent is read
+    from DSEC_CGROUP_PARENT when ``dsec.node.manager`` is imported, so an in-process reap
+    looked under this process's parent and left the sandboxes' inits running."""
+    script = (
+        "import asyncio, json\n"
+        "from dsec.config import load_settings\n"
+        "from dsec.node.agent import LocalNodeAgent\n"
+        "async def reap():\n"
+        "    node = LocalNodeAgent(load_settings())\n"
+        "    await node.start()\n"
+        "    try:\n"
+        "        ids = [i.id for i in await node.list()]\n"
+        "        for sid in ids:\n"
+        "            await node.destroy(sid)\n"
+        "        return ids\n"
+        "    finally:\n"
+        "        await node.close()\n"
+        "print(json.dumps(asyncio.run(reap())))\n")
+    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, **env, "DSEC_HOME": str(home)},
+                       capture_output=True, text=True, timeout=180, check=True)
+    return list(json.loads(r.stdout.strip().splitlines()[-1]))
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, redis_srv: RedisServer) -> Iterator[tuple[Server, Server, dict]]:
