@@ -12,7 +12,6 @@ import asyncio
 import fnmatch
 import hashlib
 import ipaddress
-import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +30,7 @@ from dsec.errors import (
     QuotaExceeded,
     TransientError,
 )
+from dsec.ids import new_sandbox_id
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import SandboxState
 from dsec.net.allowlist import parse_allow_list, system_resolver
@@ -64,10 +64,6 @@ def _unknown_image(image: str) -> NotFound:
     # names of the others (issue 18 #13).
     return NotFound(f"image {image!r} is unknown on this node or not available to you; check the name "
                     "(an operator imports images with `dsec image import`)", image=image)
-
-
-def new_sandbox_id() -> str:
-    return "sb-" + secrets.token_hex(8)
 
 
 def _not_found(sandbox_id: str) -> NotFound:

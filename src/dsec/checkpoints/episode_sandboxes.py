@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from pathlib import Path
 
 from dsec.blobs import BlobStore
 from dsec.checkpoints.host import EpisodeHost
+from dsec.ids import new_sandbox_id
 from dsec.models import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class SandboxBook:
         return f"episodes/{episode_id}/sandboxes/{sandbox_id}"
 
     async def new(self, episode_id: str, spec: SandboxSpec, lowers: list[Path]) -> str:
-        sid = "sb-" + uuid.uuid4().hex[:12]
+        sid = new_sandbox_id()
         await asyncio.to_thread(self.store.put, self._marker(episode_id, sid), b"")
         try:
             await self.host.create(spec, lowers, sid)

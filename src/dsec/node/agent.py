@@ -124,7 +124,7 @@ class LocalNodeAgent:
             if pooled or extra_lower_dirs:
                 raise InvalidArgument("a restore is never a pool member and brings its own layers", field="restore")
             _, make = await self.checkpoints.prepare_restore(restore.tenant, restore.checkpoint_id)
-            from dsec.node.manager import new_sandbox_id
+            from dsec.ids import new_sandbox_id
             return await make(spec, sandbox_id or new_sandbox_id(), tenant or "")
         if spec.network is not None:
             await self._ensure_network()

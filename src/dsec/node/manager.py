@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 from dsec.config import Settings, parse_bytes
 from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
+from dsec.ids import new_sandbox_id
 from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
 from dsec.node import cgroups, clones, syscalls
 from dsec.node.files import SandboxFS
@@ -43,10 +43,6 @@ log = logging.getLogger("dsec.node")
 # (teardown, PID-reuse guards) use it, and a node agent is one process (several nodes on
 # one box, as `dsec cluster up` makes, each run their agent in their own process).
 CGROUP_PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
-
-
-def new_sandbox_id() -> str:
-    return "sb-" + secrets.token_hex(6)
 
 
 def _meminfo_total() -> int:

@@ -16,7 +16,7 @@ from sbx_helpers import GVISOR_PIDS, SMALL, TIERS, SharedEnv, node_settings, sta
 
 from dsec.images import ImageStore
 from dsec.models import SandboxSpec
-from dsec.node.manager import new_sandbox_id
+from dsec.ids import new_sandbox_id
 
 
 def say(*words: object) -> None:

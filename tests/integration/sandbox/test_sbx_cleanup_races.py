@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 
 from dsec.node import cgroups
-from dsec.node.manager import new_sandbox_id
+from dsec.ids import new_sandbox_id
 
 pytestmark = pytest.mark.integration
 
