@@ -175,6 +175,14 @@ async def drain_node(node_id: NodeId, body: DrainRequest, ctx: Ctx, request: Req
     return res.model_dump()
 
 
+@router.post("/v1/nodes/{node_id}/undrain", summary="A draining node takes placements again (admin)")
+async def undrain_node(node_id: NodeId, ctx: Ctx) -> dict[str, Any]:
+    from dsec.cluster.drain import undrain
+
+    require_admin(ctx.tenant)
+    return undrain(_cluster(ctx), ctx.svc.scheduler, node_id).model_dump()
+
+
 @router.get("/v1/pools", response_model=PoolList, summary="Warm pools per shape (admin)")
 async def pools(ctx: Ctx) -> PoolList:
     require_admin(ctx.tenant)

@@ -1,6 +1,7 @@
 """``dsec node ls``: the DSec nodes of a Ray cluster as their agents report them;
 ``dsec node drain ID [--migrate]``: ask the running ``dsec serve --cluster`` (admin) to stop
-placing on a node, and optionally move its sandboxes elsewhere."""
+placing on a node, and optionally move its sandboxes elsewhere; ``dsec node undrain ID``:
+a draining node takes placements again."""
 
 from __future__ import annotations
 
@@ -94,3 +95,19 @@ def drain(node_id: str = typer.Argument(..., help="Node id as `dsec node ls` sho
         out.print(f"  migrated {m['sandbox_id']} -> {m['to_node']} (checkpoint {m['checkpoint_id']})")
     for sid, why in res["failed"].items():
         out.print(f"  NOT moved {sid}: {why}")
+
+
+@app.command("undrain")
+@handle_errors
+def undrain(node_id: str = typer.Argument(..., help="Node id as `dsec node ls` shows it"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Cancel a drain: NODE_ID (draining) takes placements again (through the API server)."""
+    from dsec.cli.common import client
+    from dsec.sdk._core import Call
+
+    res = client()._run(Call("POST", f"/v1/nodes/{node_id}/undrain", lambda r: r.json(), json={},
+                             idempotent=True))
+    if as_json:
+        print_json(res)
+        return
+    out.print(f"node {res['node']}: {res['previous']} -> {res['state']}")

@@ -1,5 +1,6 @@
 """``dsec node drain ID [--migrate]`` (``POST /v1/nodes/{id}/drain``): take a node out of
-placement; with ``migrate``, move its running sandboxes elsewhere.
+placement; with ``migrate``, move its running sandboxes elsewhere. ``dsec node undrain ID``
+(``POST /v1/nodes/{id}/undrain``): a draining node takes placements again.
 
 Drain: the node becomes ``draining`` (dsec.cluster.membership) and unhealthy for the
 scheduler: no new sandbox or warm hand-over goes there; its sandboxes keep running until
@@ -55,6 +56,36 @@ def check_drainable(node_id: str, nodes: dict[str, NodeState]) -> None:
         raise errors.Conflict(f"node {node_id} is lost: it cannot be drained (its sandboxes were given up and "
                               "answer 410); it rejoins as ready when it answers again", node=node_id,
                               state=NodeState.lost.value)
+
+
+class UndrainResult(BaseModel):
+    node: str
+    state: str
+    previous: str = Field(..., description="State before the undrain")
+
+
+def check_undrainable(node_id: str, nodes: dict[str, NodeState]) -> None:
+    """Pure: NotFound for an unknown node; Conflict unless it is draining or ready (a lost
+    node becomes ready only by answering heartbeats again, after it reconciled)."""
+    if node_id not in nodes:
+        raise errors.NotFound(f"node {node_id!r} is not a node of this cluster (nodes: "
+                              f"{', '.join(sorted(nodes)) or 'none'})", node=node_id)
+    if nodes[node_id] is NodeState.lost:
+        raise errors.Conflict(f"node {node_id} is lost, not draining: it becomes ready by itself when it answers "
+                              "heartbeats again (after destroying what was given up)", node=node_id,
+                              state=NodeState.lost.value)
+
+
+def undrain(router: Any, driver: Any | None, node_id: str) -> UndrainResult:
+    """draining -> ready (the transition table's "drain cancelled"): placements and warm
+    hand-overs go there again. Undraining a ready node changes nothing (idempotent)."""
+    check_undrainable(node_id, router.states)
+    previous = router.set_state(node_id, NodeState.ready)
+    if driver is not None and node_id in driver.sched.cluster.nodes:
+        driver.sched.set_node_health(node_id, True)
+        driver._wake.set()  # requests queued for lack of room may fit there now
+    log.info("node %s undrained (%s -> ready)", node_id, previous.value)
+    return UndrainResult(node=node_id, state=NodeState.ready.value, previous=previous.value)
 
 
 async def drain(router: Any, driver: Any | None, checkpoints: Any | None, node_id: str, *, migrate: bool,

@@ -70,3 +70,33 @@ async def test_drain_stops_placement_and_migrates_with_the_same_id(tmp_path: Pat
         with pytest.raises(errors.Conflict) as cf:
             await drain(router, driver, _Loader(store), other.node_id, migrate=True, tenant_uid=_uid)
         assert "lost" in cf.value.message and other.node_id in cf.value.message
+
+
+async def test_undrain_makes_a_draining_node_placeable_again(tmp_path: Path) -> None:
+    """`dsec node undrain`: draining -> ready per the transition table; the scheduler places
+    on it again (with the other node drained, a create lands there); undraining a ready node is a no-op;
+    an unknown node is NotFound naming it, a lost node a Conflict (it rejoins by itself)."""
+    from fake_cluster import two_fake_nodes
+
+    from dsec.cluster.drain import drain, undrain
+    from dsec.config import Settings
+    from dsec.models import SandboxSpec
+
+    s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01)
+    shape = {"image": "busybox", "cpu": 1, "memory": "1G", "disk": "1G"}
+    async with two_fake_nodes(s) as (_store, a, b, router, driver):
+        await drain(router, driver, None, "a", migrate=False, tenant_uid=_uid)
+        for i in range(2):
+            assert (await driver.create(SandboxSpec(**shape), f"sb-d{i}", "t")).node == "b"  # type: ignore[arg-type]
+        res = undrain(router, driver, "a")
+        assert (res.previous, res.state) == ("draining", "ready") and router.states["a"] is NodeState.ready
+        await drain(router, driver, None, "b", migrate=False, tenant_uid=_uid)  # only a can take it now
+        assert (await driver.create(SandboxSpec(**shape), "sb-u", "t")).node == "a"  # type: ignore[arg-type]
+        assert undrain(router, driver, "a").previous == "ready"  # idempotent
+        with pytest.raises(errors.NotFound) as nf:
+            undrain(router, driver, "zz")
+        assert "zz" in nf.value.message
+        router.set_state("b", NodeState.lost)
+        with pytest.raises(errors.Conflict) as cf:
+            undrain(router, driver, "b")
+        assert "lost" in cf.value.message and "b" in cf.value.message
