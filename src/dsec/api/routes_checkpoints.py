@@ -19,7 +19,7 @@ from dsec.api.schemas import CheckpointInfo, RestoreRequest
 from dsec.checkpoints.sandbox_ckpt import CHECKPOINT_ID_PATTERN, SandboxCheckpoints
 from dsec.errors import Conflict, InvalidArgument, NotFound
 from dsec.models import SandboxInfo, SandboxSpec
-from dsec.models.sandbox import SandboxState
+from dsec.models.sandbox import SandboxState, without_reserved_labels
 
 router = APIRouter(tags=["checkpoints"])
 CheckpointId = Annotated[str, Path(max_length=64, description="Checkpoint id (ck-...)")]
@@ -85,6 +85,7 @@ async def restore(checkpoint_id: CheckpointId, req: RestoreRequest, ctx: Ctx, re
     ck = _ckpts(request)
     spec, create = await ck.prepare_restore(ctx.tenant.uid, checkpoint_id)
     fields = spec.model_dump(exclude_none=True)
+    fields["labels"] = without_reserved_labels(spec.labels)
     for k in ("labels", "timeout", "request_id"):
         if getattr(req, k) is not None:
             fields[k] = getattr(req, k)

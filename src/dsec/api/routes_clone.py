@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from dsec.api.deps import Ctx, SandboxId
 from dsec.errors import Conflict, InvalidArgument, NotFound
 from dsec.models import SandboxInfo, SandboxSpec
-from dsec.models.sandbox import SandboxState
+from dsec.models.sandbox import SandboxState, without_reserved_labels
 from dsec.state.store import TenantRecord
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -35,7 +35,7 @@ def clone_spec(spec: SandboxSpec, info: SandboxInfo) -> SandboxSpec:
     clones) with its isolation as resolved, its allow-list and labels as they are now, and
     no request id (each clone is a new create)."""
     return spec.model_copy(update={"request_id": None, "isolation": info.isolation, "network": info.network,
-                                   "labels": dict(info.labels)})
+                                   "labels": without_reserved_labels(info.labels)})
 
 
 async def clone_sandbox(svc: object, tenant: TenantRecord, sandbox_id: str, n: int) -> list[SandboxInfo]:

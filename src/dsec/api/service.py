@@ -14,7 +14,7 @@ import hashlib
 import ipaddress
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 from dsec.api.audit import AuditLog
@@ -32,7 +32,7 @@ from dsec.errors import (
 )
 from dsec.ids import new_sandbox_id
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
-from dsec.models.sandbox import SandboxState
+from dsec.models.sandbox import RESERVED_LABEL_PREFIX, SandboxState, reserved_label_keys
 from dsec.net.allowlist import parse_allow_list, system_resolver
 from dsec.net.hostaddrs import HostGuard, kernel_delivers_locally, parse_host_allow, parse_node_addresses
 from dsec.node.api import ExecEvent, NodeAgent
@@ -64,6 +64,15 @@ def _unknown_image(image: str) -> NotFound:
     # names of the others (issue 18 #13).
     return NotFound(f"image {image!r} is unknown on this node or not available to you; check the name "
                     "(an operator imports images with `dsec image import`)", image=image)
+
+
+def _check_labels(labels: dict[str, str], server_labels: Collection[str]) -> None:
+    """A tenant cannot set a label the control plane acts on (e.g. pass its sandbox off as
+    a warm-pool member or a lease's): refuse ``dsec.`` keys the server did not put there."""
+    bad = [k for k in reserved_label_keys(labels) if k not in server_labels]
+    if bad:
+        raise InvalidArgument(f"label {bad[0]!r}: keys starting with {RESERVED_LABEL_PREFIX!r} are reserved for "
+                              "DSec itself; rename the label", field="labels", label=bad[0])
 
 
 def _not_found(sandbox_id: str) -> NotFound:
@@ -211,10 +220,13 @@ class SandboxService:
                                  "Retry-After delay (nothing was run)", retry_after=wait, sandbox_id=sandbox_id)
 
     # --- create ------------------------------------------------------------------
-    async def check_spec(self, tenant: TenantRecord, spec: SandboxSpec) -> None:
-        """Everything a create is judged on before it is queued or touches a pool (image
-        allow-list, node and tenant limits, pids, allow-list, image known): every path that
-        makes a sandbox from a tenant's spec calls this first."""
+    async def check_spec(self, tenant: TenantRecord, spec: SandboxSpec,
+                         server_labels: Collection[str] = ()) -> None:
+        """Everything a create is judged on before it is queued or touches a pool (labels,
+        image allow-list, node and tenant limits, pids, allow-list, image known): every path
+        that makes a sandbox from a tenant's spec calls this first. ``server_labels``: the
+        reserved (``dsec.``) label keys the server itself puts on this spec."""
+        _check_labels(spec.labels, server_labels)
         self._check_image(tenant, spec.image)
         self._check_limits(tenant, spec)
         await self._check_network(spec)
@@ -230,9 +242,10 @@ class SandboxService:
             raise Overloaded(f"{self._inflight} creates in flight (limit {self.settings.api_max_inflight_creates});"
                              " retry after the Retry-After delay", retry_after=self.settings.api_retry_after_s)
 
-    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None) -> SandboxInfo:
+    async def create(self, tenant: TenantRecord, spec: SandboxSpec, creator: Creator | None = None,
+                     server_labels: Collection[str] = ()) -> SandboxInfo:
         """``creator`` overrides the placement for this one create (restore from a checkpoint)."""
-        await self.check_spec(tenant, spec)
+        await self.check_spec(tenant, spec, server_labels)
         self._check_inflight()
         if spec.request_id is None:
             return await self._create_new(tenant, spec, new_sandbox_id(), creator)

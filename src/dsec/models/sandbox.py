@@ -161,6 +161,22 @@ class FileEntry(BaseModel):
     mtime: float
 
 
+RESERVED_LABEL_PREFIX = "dsec."
+"""Label keys under this prefix carry meaning to the control plane (``dsec.pool`` marks a
+warm-pool member, ``dsec.owner`` a lease owner that a restart adopts): only the server sets them."""
+
+
+def reserved_label_keys(labels: dict[str, str]) -> list[str]:
+    """The keys of ``labels`` a tenant may not set (sorted, for a stable error message)."""
+    return sorted(k for k in labels if k.startswith(RESERVED_LABEL_PREFIX))
+
+
+def without_reserved_labels(labels: dict[str, str]) -> dict[str, str]:
+    """A source sandbox's labels minus the server's bookkeeping (its pool, its lease owner):
+    a clone or a restore is a new sandbox that belongs to neither."""
+    return {k: v for k, v in labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
+
+
 def parse_labels(items: list[str] | None, what: str = "label", hint: str = "") -> dict[str, str]:
     """``["k=v", ...]`` -> ``{k: v}`` (a value may contain ``=``); an item without ``=`` or
     with an empty key is refused by name (``{what} 'item' must look like key=value{hint}``)."""

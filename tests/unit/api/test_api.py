@@ -67,6 +67,26 @@ async def test_schema_invalid_is_422_naming_field(env: Env) -> None:
     assert r.status_code == 422 and "bogus" in r.json()["message"]
 
 
+async def test_reserved_labels_are_refused(env: Env) -> None:
+    """A tenant cannot set ``dsec.`` labels, which the control plane acts on (``dsec.pool``
+    marks a warm-pool member a restart handles as the server's, ``dsec.owner`` a lease):
+    422 naming the label (every create path, E2B and Fusion included, goes through check_spec)."""
+    for labels in ({"dsec.pool": "1"}, {"run": "r1", "dsec.owner": "other"}):
+        r = await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1, "labels": labels})
+        assert r.status_code == 422, r.text
+        assert "reserved" in r.json()["message"] and r.json()["details"]["label"].startswith("dsec."), r.text
+    assert env.node.create_calls == 0
+    assert (await _create(env.alice, labels={"dsecx": "1", "team.dsec.x": "1"}))["labels"]["dsecx"] == "1"
+
+
+def test_sources_bookkeeping_labels_are_not_inherited() -> None:
+    """A clone or a restore is a new sandbox: the source's pool/lease labels stay behind
+    (otherwise restoring a leased sandbox's checkpoint would be refused as reserved)."""
+    from dsec.models.sandbox import without_reserved_labels
+
+    assert without_reserved_labels({"run": "r1", "dsec.owner": "w1", "dsec.fusion": "pool"}) == {"run": "r1"}
+
+
 async def test_unknown_image_404_names_it(env: Env) -> None:
     """Asking for an image that does not exist is 404 naming the image."""
     r = await env.alice.post("/v1/sandboxes", json={"image": "nosuch:1"})

@@ -172,7 +172,7 @@ class FusionPools:
         s = self.settings
         spec = SandboxSpec(image=image, cpu=s.fusion_cpu, memory=memory_mb * 1024 * 1024, disk="1G",
                            pids=s.fusion_pids, timeout=s.fusion_sandbox_ttl_s + 600, labels=dict(POOL_LABEL))
-        info = await self.svc.sandboxes.create(tenant, spec)
+        info = await self.svc.sandboxes.create(tenant, spec, server_labels=POOL_LABEL)
         self.counters["created"] += 1
         now = time.monotonic()
         return _Member(id=info.id, tenant=tenant, born=now, last_used=now)
