@@ -238,6 +238,14 @@ class LocalNodeAgent:
         self._cpu_base.pop(sandbox_id, None)
         await self.manager.destroy(sandbox_id)
 
+    async def recycle(self, sandbox_id: str, spec: SandboxSpec) -> SandboxInfo:
+        """Destroy for the user, but keep the kernel sandbox as a fresh ``ready`` pool member
+        of ``spec`` under a new id (SandboxManager.recycle). Conflict when it does not
+        qualify (nothing changed: destroy it instead); SandboxFailure when recycling
+        failed (it is gone then)."""
+        self._cpu_base.pop(sandbox_id, None)
+        return await self.manager.recycle(sandbox_id, spec)
+
     async def cpu_used(self, sandbox_id: str) -> float | None:
         """Average CPUs the sandbox kept busy since it was handed out (right-sizing input);
         None when unknown (not live, or no CPU accounting)."""

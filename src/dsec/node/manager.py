@@ -399,6 +399,113 @@ class SandboxManager:
             self.counters[key] = self.counters.get(key, 0) + 1
             return self.info(rec)
 
+    def recyclable(self, rec: SandboxRecord, spec: SandboxSpec) -> str | None:
+        """Why this sandbox cannot become a pool member of ``spec`` (None: it can). Only a
+        container-tier sandbox without a network slot whose kernel limits, image and root
+        (no clone or checkpoint layers) are exactly what a fresh create of ``spec`` gets."""
+        info = rec.info
+        if info.isolation != "container" or spec.isolation not in (None, "container"):
+            return "not the container tier"
+        if info.network is not None or rec.spec.network is not None or spec.network is not None:
+            return "has a network slot"
+        if info.state not in (S.idle, S.running, S.ready) or not info.pid:
+            return f"is {info.state.value}"
+        if self.active_execs.get(info.id):
+            return "has a command running"
+        try:
+            image = self.images.resolve_fast(spec.image)
+        except DSecError as e:
+            return f"image: {e}"
+        if image.id != info.image_id or not image.layers:
+            return "image changed"
+        r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
+        if (r.cpu, r.memory, r.disk, r.pids) != (info.cpu, info.memory, info.disk, info.pids):
+            return "limits differ from the pool shape"
+        lowers = self._lowers.get(info.id)
+        if lowers is None or lowers != [str(self.images.layers.fs(li.diff_id)) for li in reversed(image.layers)]:
+            return "its root has layers beyond the image (clone or restore)"
+        return None
+
+    async def recycle(self, sandbox_id: str, spec: SandboxSpec) -> SandboxInfo:
+        """Turn a sandbox its user is done with into a fresh warm-pool member of ``spec``
+        (state ``ready``) under a NEW id, instead of destroying it: processes killed, root,
+        /dev, /tmp, SysV IPC, background table, env and labels back to a fresh create of
+        ``spec``, fresh cgroups (zeroed counters), hostname = the new id. The old id is
+        retired at once (before the first await): every later call naming it gets a
+        Conflict/NotFound. On any failure both ids are torn down and SandboxFailure raised.
+        Raises Conflict (nothing changed) when the sandbox does not qualify (``recyclable``)."""
+        from dsec.node import reset as rs
+        from dsec.runtime.agent_client import agent_clear_background, agent_forget
+
+        old = self.live_record(sandbox_id)
+        why = self.recyclable(old, spec)
+        if why is not None:
+            raise Conflict(f"sandbox {sandbox_id} cannot be recycled: {why}", sandbox_id=sandbox_id)
+        if sandbox_id in self._reset_locks and self._reset_locks[sandbox_id].locked():
+            raise Conflict(f"sandbox {sandbox_id} is being reset", sandbox_id=sandbox_id)
+        info = old.info
+        image = self.images.resolve_fast(spec.image)
+        r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
+        nid = new_sandbox_id()
+        self._set_state(old, S.stopping, error="recycled")  # retired: no call reaches it from here
+        now = time.time()
+        new = SandboxRecord(info=SandboxInfo(
+            id=nid, state=S.creating, image=spec.image, image_id=image.id, isolation="container", cpu=info.cpu,
+            memory=info.memory, disk=info.disk, pids=info.pids, timeout=r.timeout, network=None,
+            labels=spec.labels, tenant=None, node=info.node, created_at=now, pid=info.pid),
+            spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=CGROUP_PARENT)
+        self.records.put(new)  # before any rename: a crash leaves both ids for reconcile to clean
+        self.live[nid] = new
+        po, pn = self.paths(sandbox_id), self.paths(nid)
+        rt = self.runtime("container")
+        for hook in self.before_teardown:
+            try:
+                hook(sandbox_id)
+            except Exception:
+                log.exception("before_teardown hook failed for %s", sandbox_id)
+        agent_forget(po.socket)
+        lowers = self._lowers.pop(sandbox_id)
+        try:
+            # The new id's lease on the image layers (the lease dir moves along with the rename).
+            mounts = await asyncio.to_thread(self.snapshotter.prepare, nid, spec.image, po.base / "lease", None)
+            if mounts.lower_dirs != lowers:
+                raise SandboxFailure(f"sandbox {sandbox_id}: its layers are not the image's", sandbox_id=sandbox_id)
+            try:
+                def step() -> dict[str, float]:
+                    rs.kill_all_but_init(CGROUP_PARENT, sandbox_id, info.pid)  # type: ignore[arg-type]
+                    rs.move_to_fresh_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
+                    rs.rename_paths((po.base, po.socket, rt.state_root / sandbox_id),
+                                    (pn.base, pn.socket, rt.state_root / nid))
+                    shutil.rmtree(pn.base / "lease", ignore_errors=True)
+                    return rs.reset_container(
+                        sandbox_id=nid, init_pid=info.pid, rootfs=pn.rootfs,  # type: ignore[arg-type]
+                        scratch=pn.scratch, lower_dirs=lowers, disk=info.disk, workdir=r.workdir, hosts=None,
+                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids), hostname=nid)
+                times = await asyncio.get_running_loop().run_in_executor(rs.executor(), step)
+                await agent_clear_background(pn.socket)
+            finally:
+                await asyncio.to_thread(self.snapshotter.release, sandbox_id)
+        except BaseException as e:
+            reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
+            log.warning("recycling %s failed (%s): tearing it down", sandbox_id, reason)
+            self._set_state(new, S.failed, error=f"recycle of {sandbox_id} failed: {reason}")
+            for rec in (old, new):
+                try:
+                    await self._teardown(rec)
+                except SandboxFailure:
+                    log.exception("cleanup after a failed recycle of %s", sandbox_id)
+            raise SandboxFailure(f"sandbox {sandbox_id} could not be recycled: {reason}",
+                                 sandbox_id=sandbox_id) from e
+        self._lowers[nid] = lowers
+        self.live.pop(sandbox_id, None)
+        self.active_execs.pop(sandbox_id, None)
+        self._reset_locks.pop(sandbox_id, None)
+        self._set_state(old, S.stopped, pid=None)
+        self._set_state(new, S.ready, pid=info.pid)
+        self.counters["recycled"] = self.counters.get("recycled", 0) + 1
+        log.debug("recycled %s as %s: %s", sandbox_id, nid, times)
+        return self.info(new)
+
     async def _remake(self, rec: SandboxRecord) -> None:
         """Slow reset: release the kernel resources and build the sandbox again under the
         same id and spec (network slot and state record are kept)."""

@@ -46,6 +46,7 @@ SYS_MOVE_MOUNT = 429
 CLONE_FS = 0x200
 CLONE_NEWNS = 0x20000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUTS = 0x04000000
 OPEN_TREE_CLONE = 1
 AT_EMPTY_PATH = 0x1000
 AT_FDCWD = -100
@@ -249,7 +250,7 @@ def prepare_root(root: Path, workdir: str, hosts: bytes | None) -> None:
 
 
 def _enter(init_pid: int) -> None:
-    for ns, flag in (("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS)):
+    for ns, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS)):
         fd = os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             _sys(SYS_SETNS, fd, flag)
@@ -257,12 +258,18 @@ def _enter(init_pid: int) -> None:
             os.close(fd)
 
 
-def _swap_root_in_namespace(init_pid: int, tree_fd: int) -> int:
-    """On a reset worker thread: enter the sandbox's mount and IPC namespaces, make the
-    detached mount ``tree_fd`` its root, clean /dev and SysV IPC; then go back to the
+def _swap_root_in_namespace(init_pid: int, tree_fd: int, hostname: str | None = None) -> int:
+    """On a reset worker thread: enter the sandbox's UTS, mount and IPC namespaces, make
+    the detached mount ``tree_fd`` its root, clean /dev and SysV IPC (and set the hostname
+    when given: a recycled sandbox is named after its new id); then go back to the
     host's namespaces. Returns the IPC objects removed."""
     _enter(init_pid)
     try:
+        if hostname is not None:
+            name = hostname.encode()
+            if _libc.sethostname(name, len(name)) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"sethostname: {os.strerror(err)}")
         # root and cwd are now the sandbox's "/" (the old overlay)
         removed_ipc = clean_sysv_ipc()
         clean_dev("/dev")
@@ -292,7 +299,7 @@ _executor_lock = threading.Lock()
 
 def _host_ns() -> dict[str, int]:
     if not _HOST_NS:
-        for ns in ("ipc", "mnt"):
+        for ns in ("uts", "ipc", "mnt"):
             _HOST_NS[ns] = os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
     return _HOST_NS
 
@@ -306,6 +313,7 @@ def _leave() -> None:
         fds = _host_ns()
         _sys(SYS_SETNS, fds["mnt"], CLONE_NEWNS)  # root and cwd: the host's "/"
         _sys(SYS_SETNS, fds["ipc"], CLONE_NEWIPC)
+        _sys(SYS_SETNS, fds["uts"], CLONE_NEWUTS)
     except OSError:
         _retire_executor()
         raise
@@ -331,7 +339,8 @@ def executor(workers: int = 2) -> ThreadPoolExecutor:
 
 def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, lower_dirs: list[str],
                     disk: int, workdir: str, hosts: bytes | None, cgroup_parent: str,
-                    limits: tuple[int, float, int], kill_timeout: float = 5.0) -> dict[str, float]:
+                    limits: tuple[int, float, int], kill_timeout: float = 5.0,
+                    hostname: str | None = None) -> dict[str, float]:
     """Blocking; runs on a reset worker (``executor()``). Returns per-step timings in ms.
 
     The new writable layer lives on a new scratch tmpfs (same size: the disk quota), so
@@ -363,7 +372,7 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
         if not threading.current_thread().name.startswith("dsec-reset"):
             raise ResetError("reset_container runs on the reset workers (dsec.node.reset.executor())")
         try:
-            _swap_root_in_namespace(init_pid, tree_fd)
+            _swap_root_in_namespace(init_pid, tree_fd, hostname)
         except OSError as e:
             raise ResetError(f"sandbox {sandbox_id}: root swap failed: {e}") from e
         restore_limits(cgroup_parent, sandbox_id, *limits)
@@ -383,6 +392,69 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
     lap("swap")
     times["total"] = (t[-1] - t[0]) * 1000
     return times
+
+
+# --- recycling: the same kernel sandbox under a new id, for another tenant ----------------
+# A destroyed sandbox of a pool shape can go back to the warm pool instead of being torn
+# down (issue 15: teardown + a cold refill were most of a short episode's cost). It gets a
+# new id, so nothing keyed by the old one (ownership, audit, dead-id records, the old
+# tenant's client) can reach it, and fresh cgroups, so no counter carries the previous
+# tenant's usage. The rest is the in-place reset above, plus the hostname (= the id).
+
+# cgroup v1 settings runc applied that a fresh cgroup must get before the init moves in
+# (cpuset first: a v1 cpuset cgroup with no cpus takes no task).
+_COPIED: tuple[tuple[str, str], ...] = (
+    ("cpuset", "cpuset.cpus"), ("cpuset", "cpuset.mems"),
+    ("memory", "memory.limit_in_bytes"), ("memory", "memory.memsw.limit_in_bytes"),
+    ("cpu", "cpu.cfs_period_us"), ("cpu", "cpu.cfs_quota_us"), ("cpu", "cpu.shares"),
+    ("pids", "pids.max"))
+
+
+def move_to_fresh_cgroups(parent: str, old_id: str, new_id: str, init_pid: int, timeout: float = 2.0) -> None:
+    """Give the sandbox (only its init is left) new cgroups named ``new_id`` with the same
+    limits and device rules, move the init there and remove the old ones. Fresh cgroups
+    start every counter (CPU time, peaks, failcnt, throttling, pids.events) at zero."""
+    olds = cgroups.sandbox_cgroup_dirs(parent, old_id)
+    news = [d.parent / new_id for d in olds]
+    for d in news:
+        d.mkdir(0o755, exist_ok=True)
+    root = cgroups.CGROUP_ROOT
+    for ctrl, f in _COPIED:
+        src, dst = root / ctrl / parent / old_id / f, root / ctrl / parent / new_id / f
+        if src.exists():
+            value = src.read_bytes().strip().decode()
+            if value and dst.read_bytes().strip().decode() != value:
+                cgroups._write(dst, value)
+    dev_old, dev_new = root / "devices" / parent / old_id, root / "devices" / parent / new_id
+    if dev_old.is_dir():
+        rules = dev_old.joinpath("devices.list").read_text().split("\n")
+        cgroups._write(dev_new / "devices.deny", "a")
+        for rule in filter(None, rules):
+            cgroups._write(dev_new / "devices.allow", rule)
+        if dev_new.joinpath("devices.list").read_text() != dev_old.joinpath("devices.list").read_text():
+            raise ResetError(f"sandbox {old_id}: device rules did not carry over to {new_id}")
+    for d in news:
+        cgroups._write(d / "cgroup.procs", str(init_pid))
+    deadline = time.monotonic() + timeout
+    for d in olds:
+        while True:
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # a killed task still leaving
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.001)
+
+
+def rename_paths(old: tuple[Path, Path, Path], new: tuple[Path, Path, Path]) -> None:
+    """(sandbox dir, agent socket, runtime state dir) to their names under the new id. The
+    mounts below the sandbox dir move with it; the init keeps its listening socket."""
+    for a, b in zip(old, new):
+        if os.path.lexists(a):
+            os.rename(a, b)
 
 
 def lower_dirs_of(rootfs: Path) -> list[str]:

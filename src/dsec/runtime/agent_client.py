@@ -324,6 +324,16 @@ async def agent_kill(sock_path: Path, pid: int, signal: int) -> None:
         raise conn.unexpected(kind, payload)
 
 
+async def agent_clear_background(sock_path: Path) -> int:
+    """Empty the agent's background table (its processes must be dead already); returns
+    how many entries it held. Agents built before this op answer ``F`` (bad request),
+    which raises: such a sandbox cannot be recycled."""
+    kind, payload, conn = await _one_shot(sock_path, p.encode_simple(p.OP_CLEAR))
+    if kind != b"C" or len(payload) != 4:
+        raise conn.unexpected(kind, payload)
+    return int.from_bytes(payload, "big")
+
+
 async def agent_ping(sock_path: Path, timeout: float) -> bool:
     """True when an agent speaking our protocol version answers within timeout seconds."""
     try:

@@ -751,7 +751,7 @@ static const char *parse_request(unsigned char *p, uint32_t len, struct request 
     if (p[0] != PROTO_VERSION) return "unsupported protocol version";
     rq->op = p[1];
     p += 2;
-    if (rq->op == 'H' || rq->op == 'P') return NULL;
+    if (rq->op == 'H' || rq->op == 'P' || rq->op == 'C') return NULL;
     if (rq->op == 'K') {
         if (end - p < 8) return "kill request too short";
         rq->pid = get_u32(p);
@@ -851,6 +851,15 @@ static int dispatch(int i)
         b[0] = PROTO_VERSION;
         int n = snprintf(b + 1, sizeof b - 1, "%s", AGENT_IDENT);
         send_frame(pd->fd, 'H', b, (uint32_t)n + 1);
+        return 0;
+    }
+    if (rq.op == 'C') {
+        /* Forget the background table (recycling a sandbox for another tenant: its `ps`
+           must not list the previous tenant's commands). The host killed them first. */
+        unsigned char b[4];
+        put_u32(b, (uint32_t)nbg);
+        nbg = 0;
+        send_frame(pd->fd, 'C', b, 4);
         return 0;
     }
     if (rq.op == 'K') {

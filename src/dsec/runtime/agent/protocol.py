@@ -24,6 +24,7 @@ MAX_TIMEOUT_MS = 0xFFFFFFFF
 HEADER = struct.Struct(">IB")
 
 OP_EXEC, OP_BACKGROUND, OP_PS, OP_KILL, OP_PING = b"E", b"B", b"P", b"K", b"H"
+OP_CLEAR = b"C"  # forget the background table (recycling a sandbox for another tenant)
 
 # 'F' failure kinds (first payload byte) -> the error class a caller sees
 F_BAD_REQUEST, F_NOT_FOUND, F_EXEC, F_RESOURCE = 1, 2, 3, 4
