@@ -32,7 +32,7 @@ from dsec import __version__
 from dsec.api.deps import ID_PATTERN
 from dsec.api.errors import error_response, validation_error
 from dsec.api.guard import TENANT_KEY
-from dsec.api.schemas import Health
+from dsec.models.api import Health
 from dsec.api.services import Services
 from dsec.errors import DSecError, PayloadTooLarge
 from dsec.models import ExecRequest, ExecResult, SandboxSpec

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from dsec import __version__
 from dsec.api.auth import require_admin
 from dsec.api.deps import RAW_BODY, Ctx, Svc, read_body_limited
-from dsec.api.schemas import (
+from dsec.models.api import (
     TENANT_NAME_PATTERN,
     Health,
     ImageBuildRequest,

@@ -15,7 +15,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, Response
 
 from dsec.api.deps import ID_PATTERN, Ctx, RequestContext, SandboxId
-from dsec.api.schemas import CheckpointInfo, RestoreRequest
+from dsec.models.api import RestoreRequest
+from dsec.models.checkpoint import CheckpointInfo
 from dsec.checkpoints.sandbox_ckpt import CHECKPOINT_ID_PATTERN, SandboxCheckpoints
 from dsec.errors import Conflict, InvalidArgument, NotFound
 from dsec.models import SandboxInfo, SandboxSpec

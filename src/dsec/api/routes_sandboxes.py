@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from dsec.api.deps import Ctx, SandboxId
-from dsec.api.schemas import (
+from dsec.models.api import (
     AuditEntry,
     BulkKillRequest,
     BulkKillResult,

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import errors
-from dsec.api.schemas import CheckpointInfo
+from dsec.models.checkpoint import CheckpointInfo
 from dsec.blobs import BlobStore
 from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker

@@ -32,8 +32,8 @@ def drill(
                                           "agent) or 'dir' (overlay+chroot, no isolation; engine-only drills)"),
 ) -> None:
     """Run scripted episodes under random faults, resume them all, verify against a fault-free run."""
-    from dsec.checkpoints.drill import FAULT_KINDS
-    from dsec.checkpoints.drill_run import DrillConfig, run_drill, write_report
+    from dsec.bench.drill import FAULT_KINDS
+    from dsec.bench.drill_run import DrillConfig, run_drill, write_report
     from dsec.config import parse_bytes
     chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
     bad = [k for k in chosen if k not in FAULT_KINDS]

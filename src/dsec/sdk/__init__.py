@@ -1,6 +1,6 @@
 """DSec Python SDK: ``Sandbox``/``AsyncSandbox`` handles over ``Client``/``AsyncClient``."""
 
-from dsec.api.schemas import CheckpointInfo
+from dsec.models.checkpoint import CheckpointInfo
 from dsec.sdk._client import AsyncClient, Client
 from dsec.sdk._sandbox import AsyncSandbox, Sandbox
 

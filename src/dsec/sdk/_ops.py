@@ -12,7 +12,8 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from dsec.api.schemas import AuditEntry, BulkKillResult, CheckpointInfo, Health, TenantCreated, TenantInfo
+from dsec.models.api import AuditEntry, BulkKillResult, Health, TenantCreated, TenantInfo
+from dsec.models.checkpoint import CheckpointInfo
 from dsec.models import (
     BackgroundProcess,
     ExecRequest,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsec.checkpoints.drill import FAULT_KINDS
-from dsec.checkpoints.drill_run import DrillConfig, run_drill, summary
+from dsec.bench.drill import FAULT_KINDS
+from dsec.bench.drill_run import DrillConfig, run_drill, summary
 
 pytestmark = pytest.mark.integration
 

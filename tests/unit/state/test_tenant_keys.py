@@ -69,7 +69,7 @@ def test_uids_never_equal_a_tenant_name() -> None:
     never be mistaken for a uid's."""
     import re
 
-    from dsec.api.schemas import TENANT_NAME_PATTERN
+    from dsec.models.api import TENANT_NAME_PATTERN
     for _ in range(50):
         uid = new_tenant_uid()
         assert TENANT_UID_RE.match(uid) and not re.match(TENANT_NAME_PATTERN, uid)

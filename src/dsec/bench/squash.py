@@ -6,7 +6,7 @@ step so noise hits both alike: one squashes the chain inline on the step that re
 ``full_every`` layers (the old way), the other squashes in the background from the
 stored parts. Baseline: the same command as a plain ``exec`` on a plain sandbox.
 
-Run: ``python -m dsec.checkpoints.bench_squash [--steps 50] [--mb 20] [--out DIR]`` (root).
+Run: ``python -m dsec.bench.squash [--steps 50] [--mb 20] [--out DIR]`` (root).
 """
 
 from __future__ import annotations

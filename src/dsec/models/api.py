@@ -1,14 +1,16 @@
-"""API-only wire models (pydantic only: the SDK imports this without FastAPI)."""
+"""The API's request and response models (pydantic only: the SDK, the API and the CLI share
+them; nothing here imports FastAPI or a lower layer than config)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec.config import parse_bytes
-from dsec.models.checkpoint import CheckpointInfo  # noqa: F401 - re-exported (wire model lives in dsec.models)
-from dsec.state.store import TenantRecord
+
+if TYPE_CHECKING:  # the state store's record; the wire models do not import the state layer
+    from dsec.state.store import TenantRecord
 
 TENANT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 

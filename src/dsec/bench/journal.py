@@ -10,7 +10,7 @@ Two measurements, interleaved rep by rep so machine noise hits every mode alike:
    journal on (record encoded/written/fsynced by the journal thread while the fs parts
    are stored). Reported as median ms and overhead over the plain exec.
 
-Run: ``python -m dsec.checkpoints.bench_journal [--reps N] [--out DIR]`` (root for part 2).
+Run: ``python -m dsec.bench.journal [--reps N] [--out DIR]`` (root for part 2).
 """
 
 from __future__ import annotations

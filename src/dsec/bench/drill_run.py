@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dsec.checkpoints.dirhost import DirHost, make_busybox_rootfs
-from dsec.checkpoints.drill import (
+from dsec.bench.drill import (
     FAULT_KINDS,
     EpisodeRun,
     ServerProc,

@@ -1,7 +1,7 @@
 """Fault-injection drill: concurrent scripted episodes under random real faults.
 
 The controller (``run_drill``) starts a real API server process serving episodes
-(``python -m dsec.checkpoints.drill serve``), runs a fault-free baseline of every seed,
+(``python -m dsec.bench.drill serve``), runs a fault-free baseline of every seed,
 then runs the same seeds again while injecting faults at random:
 
 * ``kill_server``   SIGKILL the server process (we started it), start a new one
@@ -189,7 +189,7 @@ class ServerProc:
         no state: the node agent, the engine and the port are all set up after the go.
         """
         env = {k: v for k, v in os.environ.items() if k != "DSEC_FAULTS"}
-        return subprocess.Popen([sys.executable, "-m", "dsec.checkpoints.drill", "standby", str(self.work),
+        return subprocess.Popen([sys.executable, "-m", "dsec.bench.drill", "standby", str(self.work),
                                  str(self.port), self.host_kind], env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=open(self.work / "server.log", "ab"))
 
