@@ -22,21 +22,20 @@ __all__ = [
 if TYPE_CHECKING:
     from dsec import errors
     from dsec.errors import DSecError
-    from dsec.models import ExecResult, FileEntry, SandboxInfo, SandboxSpec
-    from dsec.node.api import ExecEvent
+    from dsec.models import ExecEvent, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+    from dsec.models.usage import UsageReport
     from dsec.sdk import AsyncClient, AsyncSandbox, CheckpointInfo, Client, Sandbox
     from dsec.sdk.async_episode import AsyncEpisode
     from dsec.sdk.episode import Episode
     from dsec.sdk.lease import AsyncLease, Lease
     from dsec.sdk.usage import ausage, usage
-    from dsec.accounting.models import UsageReport
 
 _LAZY = {
     "CheckpointInfo": "dsec.sdk", "Lease": "dsec.sdk.lease", "AsyncLease": "dsec.sdk.lease",
     "Episode": "dsec.sdk.episode", "AsyncEpisode": "dsec.sdk.async_episode", "AsyncClient": "dsec.sdk", "AsyncSandbox": "dsec.sdk", "Client": "dsec.sdk", "Sandbox": "dsec.sdk",
     "ExecResult": "dsec.models", "FileEntry": "dsec.models", "SandboxInfo": "dsec.models",
-    "SandboxSpec": "dsec.models", "ExecEvent": "dsec.node.api", "DSecError": "dsec.errors",
-    "usage": "dsec.sdk.usage", "ausage": "dsec.sdk.usage", "UsageReport": "dsec.accounting.models",
+    "SandboxSpec": "dsec.models", "ExecEvent": "dsec.models", "DSecError": "dsec.errors",
+    "usage": "dsec.sdk.usage", "ausage": "dsec.sdk.usage", "UsageReport": "dsec.models.usage",
 }
 
 

@@ -5,6 +5,6 @@ the sandbox dies (SQLite, next to the state store), exported to Prometheus with 
 label cardinality, and per-label quotas (``run=r1``: max concurrent sandboxes, max
 CPU-seconds). See docs in README ("Run-level accounting")."""
 
-from dsec.accounting.models import LabelQuota, SandboxUsage, UsageGroup, UsageReport, UsageTotals
+from dsec.models.usage import LabelQuota, SandboxUsage, UsageGroup, UsageReport, UsageTotals
 
 __all__ = ["LabelQuota", "SandboxUsage", "UsageGroup", "UsageReport", "UsageTotals"]

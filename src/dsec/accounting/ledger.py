@@ -26,11 +26,11 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dsec.accounting.meter import Accum, Counters, advance, read_counters
-from dsec.accounting.models import LabelQuota, SandboxUsage, UsageGroup, UsageReport
 from dsec.accounting.store import UsageStore
 from dsec.config import Settings
 from dsec.errors import NotFound, QuotaExceeded
 from dsec.models.sandbox import parse_labels as _parse_labels
+from dsec.models.usage import LabelQuota, SandboxUsage, UsageGroup, UsageReport
 from dsec.state.store import StateStore, TenantRecord
 
 log = logging.getLogger("dsec.usage")

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.accounting.models import GIB
+from dsec.models.usage import GIB
 from dsec.node.usage import read_cgroup_cpu_ns
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dsec.accounting.models import LabelQuota, SandboxUsage, UsageGroup, UsageTotals
+from dsec.models.usage import LabelQuota, SandboxUsage, UsageGroup, UsageTotals
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (

@@ -19,8 +19,8 @@ from pydantic import BaseModel, Field
 
 from dsec.checkpoints.engine import EpisodeEngine
 from dsec.checkpoints.host import EPISODE_TENANT
-from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
+from dsec.models.episode import CheckpointRef, EpisodeInfo, StepResult
 from dsec.state.keys import episode_key
 
 router = APIRouter(prefix="/v1/episodes", tags=["episodes"])

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from dsec.api.episodes import Engine, EpisodeId, Epoch, Tenant, _key, _public
-from dsec.checkpoints.models import EpisodeInfo
+from dsec.models.episode import EpisodeInfo
 
 router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
 

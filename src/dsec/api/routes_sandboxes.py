@@ -9,6 +9,8 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from dsec.api.deps import Ctx, SandboxId
+from dsec.errors import DSecError, InvalidArgument
+from dsec.models import BackgroundProcess, ExecEvent, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 from dsec.models.api import (
     AuditEntry,
     BulkKillRequest,
@@ -18,10 +20,7 @@ from dsec.models.api import (
     SignalRequest,
     TimeoutRequest,
 )
-from dsec.errors import DSecError, InvalidArgument
-from dsec.models import BackgroundProcess, ExecRequest, ExecResult, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import parse_labels
-from dsec.node.api import ExecEvent
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 

@@ -12,9 +12,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Query, Request
 
 from dsec.accounting.ledger import UsageLedger, parse_labels
-from dsec.accounting.models import LabelQuota, UsageReport
 from dsec.api.deps import Ctx
 from dsec.errors import InvalidArgument
+from dsec.models.usage import LabelQuota, UsageReport
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 

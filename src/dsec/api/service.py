@@ -31,11 +31,19 @@ from dsec.errors import (
     TransientError,
 )
 from dsec.ids import new_sandbox_id
-from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+from dsec.models import (
+    BackgroundProcess,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    SandboxInfo,
+    SandboxSpec,
+)
 from dsec.models.sandbox import RESERVED_LABEL_PREFIX, SandboxState, reserved_label_keys
 from dsec.net.allowlist import parse_allow_list, system_resolver
 from dsec.net.hostaddrs import HostGuard, kernel_delivers_locally, parse_host_allow, parse_node_addresses
-from dsec.node.api import ExecEvent, NodeAgent
+from dsec.node.api import NodeAgent
 from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
 
 Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]

@@ -37,7 +37,6 @@ from dsec.checkpoints.fsdiff import image_lookup
 from dsec.checkpoints.fsstate import FsTracker
 from dsec.checkpoints.host import EpisodeHost, ImageView
 from dsec.checkpoints.layer_cache import LayerCache, disk_quota
-from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.checkpoints.squasher import BackgroundSquasher
 from dsec.checkpoints.unit import (
     PartRef,
@@ -52,6 +51,7 @@ from dsec.checkpoints.unit import (
 )
 from dsec.config import Settings
 from dsec.models import ExecRequest, SandboxSpec
+from dsec.models.episode import CheckpointRef, EpisodeInfo, StepResult
 from dsec.state.store import StateStore
 from dsec.testing.faults import FaultInjected, fault_point
 

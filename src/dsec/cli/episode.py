@@ -56,7 +56,7 @@ def export(episode_id: str = typer.Argument(..., help="Episode id"),
         from dsec.checkpoints.engine import EpisodeEngine
         data = EpisodeEngine.export_from(_store(), _episode_key(tenant, episode_id))
     else:
-        from dsec.checkpoints.models import EpisodeInfo
+        from dsec.models.episode import EpisodeInfo
         from dsec.sdk.episode import Episode
         data = Episode(EpisodeInfo(id=episode_id, steps=0, seq=0, sandbox_id=None, fs_digest="",
                                    has_context=False), client()).export()

@@ -1,7 +1,9 @@
 """Wire models shared by the API server, the SDK and the node agent."""
 
+from dsec.models.image import ImageInfo, LayerInfo
 from dsec.models.sandbox import (
     BackgroundProcess,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
@@ -10,9 +12,8 @@ from dsec.models.sandbox import (
     SandboxSpec,
     SandboxState,
 )
-from dsec.models.image import ImageInfo, LayerInfo
 
 __all__ = [
-    "BackgroundProcess", "ExecRequest", "ExecResult", "FileEntry", "Isolation", "SandboxInfo",
+    "BackgroundProcess", "ExecEvent", "ExecRequest", "ExecResult", "FileEntry", "Isolation", "SandboxInfo",
     "SandboxSpec", "SandboxState", "ImageInfo", "LayerInfo",
 ]

@@ -152,6 +152,14 @@ class BackgroundProcess(BaseModel):
     exit_code: int | None = None
 
 
+class ExecEvent(BaseModel):
+    """One item of a streamed exec: output chunks, then exactly one ``exit``."""
+
+    kind: Literal["stdout", "stderr", "exit"]
+    data: str = ""
+    result: ExecResult | None = None
+
+
 class FileEntry(BaseModel):
     name: str
     path: str

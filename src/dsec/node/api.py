@@ -19,24 +19,24 @@ fetches it once in ``start()``). ``exec_stream`` is an async iterator of ``ExecE
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
-from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
+from dsec.models import (
+    BackgroundProcess,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    SandboxInfo,
+    SandboxSpec,
+)
 from dsec.models.checkpoint import CheckpointInfo
 from dsec.net.models import DeniedAttempt
 
 __all__ = ["CheckpointInfo", "DeniedAttempt", "ExecEvent", "ImageLayers", "LayerIndex", "NodeAgent",
            "NodeCapacity", "NodeHealth", "NodeUsage", "RestoreSource"]
-
-
-class ExecEvent(BaseModel):
-    """One item of a streamed exec: output chunks, then exactly one ``exit``."""
-
-    kind: Literal["stdout", "stderr", "exit"]
-    data: str = ""
-    result: ExecResult | None = None
 
 
 class NodeCapacity(BaseModel):

@@ -26,8 +26,7 @@ import httpx
 
 from dsec import __version__
 from dsec.errors import DSecError
-from dsec.models import ExecRequest, SandboxSpec
-from dsec.node.api import ExecEvent
+from dsec.models import ExecEvent, ExecRequest, SandboxSpec
 from dsec.sdk import _ops
 from dsec.sdk._config import ClientConfig, failover_url, resolve_config
 from dsec.sdk._core import (

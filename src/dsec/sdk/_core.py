@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from dsec.errors import DSecError, TransientError, error_from_dict
-from dsec.node.api import ExecEvent
+from dsec.models import ExecEvent
 
 T = TypeVar("T")
 U = TypeVar("U")

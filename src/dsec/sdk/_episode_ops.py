@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest, SandboxSpec
+from dsec.models.episode import CheckpointRef, EpisodeInfo, StepResult
 from dsec.sdk._core import Call
 
 

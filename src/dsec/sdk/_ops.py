@@ -12,8 +12,6 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from dsec.models.api import AuditEntry, BulkKillResult, Health, TenantCreated, TenantInfo
-from dsec.models.checkpoint import CheckpointInfo
 from dsec.models import (
     BackgroundProcess,
     ExecRequest,
@@ -23,6 +21,8 @@ from dsec.models import (
     SandboxInfo,
     SandboxSpec,
 )
+from dsec.models.api import AuditEntry, BulkKillResult, Health, TenantCreated, TenantInfo
+from dsec.models.checkpoint import CheckpointInfo
 from dsec.sdk._core import Call, Response
 
 _SB = "/v1/sandboxes"
@@ -86,7 +86,7 @@ def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
 
 def usage(labels: dict[str, str] | None = None, group_by: str | None = None,
           limit: int | None = None) -> Call[Any]:
-    from dsec.accounting.models import UsageReport
+    from dsec.models.usage import UsageReport
 
     params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
     if group_by is not None:
@@ -98,14 +98,14 @@ def usage(labels: dict[str, str] | None = None, group_by: str | None = None,
 
 
 def usage_quotas() -> Call[Any]:
-    from dsec.accounting.models import LabelQuota
+    from dsec.models.usage import LabelQuota
 
     return Call("GET", "/v1/usage/quotas", lambda r: TypeAdapter(list[LabelQuota]).validate_json(r.content),
                 idempotent=True)
 
 
 def set_usage_quota(label: str, max_sandboxes: int | None = None, max_cpu_seconds: float | None = None) -> Call[Any]:
-    from dsec.accounting.models import LabelQuota
+    from dsec.models.usage import LabelQuota
 
     body = {"label": label, "max_sandboxes": max_sandboxes, "max_cpu_seconds": max_cpu_seconds}
     return Call("PUT", "/v1/usage/quotas", lambda r: LabelQuota.model_validate_json(r.content), json=body,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Self
 
-from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.models import ExecRequest
+from dsec.models.episode import CheckpointRef, EpisodeInfo, StepResult
 from dsec.sdk import _episode_ops as ops
 from dsec.sdk._client import AsyncClient
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsec.accounting.models import UsageReport
+from dsec.models.usage import UsageReport
 from dsec.sdk._client import AsyncClient, Client
 
 

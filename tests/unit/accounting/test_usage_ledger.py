@@ -12,10 +12,10 @@ import pytest
 
 from dsec.accounting.ledger import BoundedValues, UsageLedger, parse_labels, prom_label_name
 from dsec.accounting.meter import Accum, Counters, advance, counter_delta
-from dsec.accounting.models import GIB, LabelQuota, SandboxUsage
 from dsec.accounting.store import UsageStore
 from dsec.config import Settings
 from dsec.errors import InvalidArgument, NotFound, QuotaExceeded
+from dsec.models.usage import GIB, LabelQuota, SandboxUsage
 from dsec.state.store import TenantRecord
 
 

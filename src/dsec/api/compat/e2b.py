@@ -45,9 +45,8 @@ from dsec.api.deps import ID_PATTERN, read_body_limited
 from dsec.api.errors import validation_error
 from dsec.api.services import Services
 from dsec.errors import DSecError, InvalidArgument, NotFound, Unauthorized
-from dsec.models import ExecRequest, SandboxInfo, SandboxSpec
+from dsec.models import ExecEvent, ExecRequest, SandboxInfo, SandboxSpec
 from dsec.models.sandbox import SandboxState
-from dsec.node.api import ExecEvent
 from dsec.state.store import TenantRecord
 
 API_PREFIX = "/e2b"
