@@ -94,6 +94,11 @@ def node_env(node: LocalNode, base: dict[str, str] | None = None, shared: dict[s
     env.update({"DSEC_HOME": node.home, "DSEC_RUN_DIR": node.run_dir, "DSEC_NODE_ID": node.node_id,
                 "DSEC_CGROUP_PARENT": node.cgroup_parent, "DSEC_NET_CIDR": node.net_cidr,
                 "RAY_USAGE_STATS_ENABLED": "0"})
+    # Ray >= 2.5x turns token auth on for a `ray start --head` whenever ~/.ray/auth_token
+    # exists (any bare `ray.init()` on the box writes one), but a driver joining by address
+    # sends no token unless RAY_AUTH_MODE=token: the loopback cluster would refuse
+    # `dsec serve --cluster`. Keep the mode explicit; a user's own setting wins.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
     return env
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dsec import errors
-from dsec.cluster.local import plan
+from dsec.cluster.local import node_env, plan
 from dsec.cluster.nodes import row
 from dsec.cluster.ray import NodeAgentServer, NodeCallError, parse_address
 from dsec.models import ExecRequest, SandboxSpec
@@ -22,6 +22,15 @@ def test_parse_address() -> None:
         with pytest.raises(errors.InvalidArgument) as e:
             parse_address(bad)
         assert e.value.details["field"] == "cluster"
+
+
+def test_node_env_makes_ray_auth_mode_explicit() -> None:
+    """A local cluster's `ray start` gets RAY_AUTH_MODE=disabled unless the user chose a mode:
+    with the mode unset, Ray enables token auth on the head as soon as ~/.ray/auth_token
+    exists (any bare ray.init() writes it) and the API server's driver is then refused."""
+    node = plan(Path("/x"), 1, "t1")[0]
+    assert node_env(node, base={})["RAY_AUTH_MODE"] == "disabled"
+    assert node_env(node, base={"RAY_AUTH_MODE": "token"})["RAY_AUTH_MODE"] == "token"
 
 
 def test_plan_gives_every_node_its_own_home_cgroup_range_and_address() -> None:
