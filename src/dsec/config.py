@@ -223,6 +223,8 @@ class Settings(BaseSettings):
     warm_pool_plan_interval_s: float = Field(30.0, description="Full pool plan (expiry, shrink) period")
     warm_pool_max_per_tenant: int = Field(512, description="Max warm sandboxes one tenant's demand may ask for")
     warm_pool_max_total: int = Field(100000, description="Max warm sandboxes cluster-wide")
+    warm_pool_recycle: bool = Field(True, description="A killed container sandbox of a pool shape the pool wants is "
+                                    "reset under a new id and returned to the pool instead of torn down")
     retry_budget_ratio: float = Field(0.2, description="Retries allowed as a fraction of first attempts")
     idempotency_ttl_s: float = Field(24 * 3600, description="How long finished request ids are remembered")
     rightsize_min_samples: int = Field(5, description="Usage samples of a task type before right-sizing")

@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 # Counter names exported from Scheduler.stats (a fixed set: bounded label values).
 EXPORTED_STATS = ("submitted", "placements", "warm_hits", "warm_misses", "retries", "failed", "preemptions",
-                  "evictions", "rejected_overload", "rejected_quota", "rejected_invalid", "cancelled")
+                  "evictions", "rejected_overload", "rejected_quota", "rejected_invalid", "cancelled", "recycled")
 
 
 class SchedulerCollector(Collector):

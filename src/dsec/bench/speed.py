@@ -228,14 +228,15 @@ async def _density(count: int, execs: int, progress: Callable[[str], None]) -> d
 # ------------------------------------------------------------------------- episodes
 
 
-async def _episodes(seconds: float, workers: int, progress: Callable[[str], None]) -> dict[str, Any]:
+async def _episodes(seconds: float, workers: int, progress: Callable[[str], None],
+                    env: dict[str, str] | None = None) -> dict[str, Any]:
     from dsec.api.launch import start_serve
     from dsec.models import ExecRequest, SandboxSpec
     from dsec.sdk import AsyncClient
 
     home = _home("episodes")
-    srv = start_serve(home)
-    out: dict[str, Any] = {"shape": EPISODE_SHAPE, "workers": workers, "seconds": seconds}
+    srv = start_serve(home, env)
+    out: dict[str, Any] = {"shape": EPISODE_SHAPE, "workers": workers, "seconds": seconds, "env": env or {}}
     try:
         async with AsyncClient(srv.url, srv.token) as c:
             http = c._http  # the scheduler view is admin-only and not in the SDK
@@ -258,6 +259,7 @@ async def _episodes(seconds: float, workers: int, progress: Callable[[str], None
                     await asyncio.sleep(0.05)
 
             done, errors, lat = 0, 0, []
+            phases: dict[str, list[float]] = {"create": [], "exec": [], "kill": []}
             first_errors: dict[str, int] = {}
             end = time.monotonic() + seconds
 
@@ -267,11 +269,16 @@ async def _episodes(seconds: float, workers: int, progress: Callable[[str], None
                     t = time.perf_counter()
                     try:
                         info = await c.create(SandboxSpec(**EPISODE_SHAPE))  # type: ignore[arg-type]
+                        t1 = time.perf_counter()
                         r = await c.exec(info.id, ExecRequest(cmd=["true"]))
+                        t2 = time.perf_counter()
                         await c.kill(info.id)
+                        t3 = time.perf_counter()
                         assert r.exit_code == 0
                         done += 1
-                        lat.append(time.perf_counter() - t)
+                        lat.append(t3 - t)
+                        for k, v in (("create", t1 - t), ("exec", t2 - t1), ("kill", t3 - t2)):
+                            phases[k].append(v)
                     except Exception as e:  # noqa: BLE001 - counted and shown by kind
                         errors += 1
                         first_errors.setdefault(f"{type(e).__name__}: {str(e)[:160]}", 0)
@@ -284,10 +291,12 @@ async def _episodes(seconds: float, workers: int, progress: Callable[[str], None
             stop.set()
             await watcher
             out |= {"episodes": done, "errors": errors, "error_kinds": first_errors, "per_s": round(done / wall, 1),
-                    "episode": _ms(lat) if lat else {}, "peak_cpu_fraction_of_bound": round(peak["ratio"], 3),
+                    "episode": _ms(lat) if lat else {}, "phases": {k: _ms(v) for k, v in phases.items() if v},
+                    "peak_cpu_fraction_of_bound": round(peak["ratio"], 3),
                     "within_bound": peak["ratio"] <= 1.0}
             stats = (await http.get("/v1/scheduler")).json()["stats"]
             out["warm_hits"], out["warm_misses"] = stats.get("warm_hits"), stats.get("warm_misses")
+            out["recycled"] = stats.get("recycled")
             progress(f"episodes: {out['per_s']}/s")
     finally:
         srv.stop()
@@ -314,6 +323,9 @@ def run(only: tuple[str, ...] = ROWS, rounds: int = 20, samples: int = 300, gvis
     if "density" in only:
         report["density"] = asyncio.run(_density(idle, 1000, progress))
     if "episodes" in only:
+        # Baseline in the same run: the same load with recycling off (destroy + cold refill).
+        report["episodes_no_recycle"] = asyncio.run(_episodes(episode_s / 2, workers, progress,
+                                                              {"DSEC_WARM_POOL_RECYCLE": "0"}))
         report["episodes"] = asyncio.run(_episodes(episode_s, workers, progress))
     if "cold" in only:
         from dsec.bench import sandbox
@@ -362,6 +374,8 @@ def table(r: dict[str, Any]) -> str:
         e = r["episodes"]
         pod = r.get("cold", {}).get("podman_run_rm", {}).get("median_ms")
         base = f"podman run --rm back to back: {1000 / pod:.1f}/s" if pod else "- (run with cold)"
+        if "episodes_no_recycle" in r:
+            base = f"recycling off (destroy + cold refill): {r['episodes_no_recycle']['per_s']}/s; {base}"
         rows.append(f"| short episodes (create->exec->destroy) per second | {e['per_s']} (bound respected: "
                     f"{e['within_bound']}) | {base} | >= 100 |")
     if "cold" in r:

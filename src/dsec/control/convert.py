@@ -43,6 +43,13 @@ def pool_can_serve(spec: SandboxSpec, s: Settings) -> bool:
     return spec.pids is None or spec.pids == s.default_pids
 
 
+def pool_member_spec(req: Request) -> SandboxSpec:
+    """The spec a warm-pool member of ``req``'s shape is built (or recycled) with."""
+    return SandboxSpec(image=req.image, cpu=req.cpu_limit or req.cpu, memory=req.memory_limit or req.memory,
+                       disk=req.disk_limit or req.disk, isolation=req.isolation,  # type: ignore[arg-type]
+                       network=[] if req.network else None, labels={POOL_LABEL: "1"}, timeout=7 * 24 * 3600)
+
+
 def lease_key(tenant: str, owner: str) -> str:
     """Leases are per tenant: two tenants may both call their run "r1"."""
     return f"{tenant}/{owner}"

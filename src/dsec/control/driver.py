@@ -30,13 +30,14 @@ from dsec.control.convert import (
     cpu_request,
     lease_key,
     pool_can_serve,
+    pool_member_spec,
     share_request,
     spec_to_request,
 )
 from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
-from dsec.errors import Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
+from dsec.errors import Conflict, Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
 from dsec.models import SandboxInfo, SandboxSpec
 from dsec.node.api import NodeAgent
 
@@ -317,10 +318,37 @@ class SchedulerDriver:
         if r is None:
             raise NotFound(f"sandbox {sandbox_id!r} is not known to the scheduler")
         cpu = await self._cpu_used(r.node_id, r)
+        agent = self.agents[r.node_id]
+        recycle = getattr(agent, "recycle", None) if self.s.warm_pool_recycle else None
+        pool_req = self.sched.recycle(sandbox_id, self.clock(), cpu_peak=cpu) if recycle is not None else None
+        if pool_req is not None:
+            await self._recycle(agent, recycle, sandbox_id, pool_req)  # type: ignore[misc]
+            return
         try:
-            await self.agents[r.node_id].destroy(sandbox_id)
+            await agent.destroy(sandbox_id)
         finally:
             self.sched.on_released(sandbox_id, self.clock(), cpu_peak=cpu)
+            self._wake.set()
+
+    async def _recycle(self, agent: NodeAgent, recycle: Callable[[str, SandboxSpec], Awaitable[SandboxInfo]],
+                       sandbox_id: str, req: Request) -> None:
+        """The user is done with ``sandbox_id`` and its shape's pool wants a member: the node
+        resets it under a new id (``LocalNodeAgent.recycle``; no teardown, no cold refill).
+        The scheduler already moved its allocation to the pool request ``req``. A sandbox
+        the node refuses (Conflict: not like a fresh pool member) is destroyed as usual."""
+        try:
+            info = await recycle(sandbox_id, pool_member_spec(req))
+        except Conflict as e:
+            self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
+            await agent.destroy(sandbox_id)
+        except Exception as e:  # the node tore it down (or it was gone already)
+            self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
+            log.warning("recycling %s failed: %s", sandbox_id, e)
+            if not isinstance(e, (NotFound, SandboxFailure)):
+                raise
+        else:
+            self.sched.on_created(req.request_id, info.id, self.clock())
+        finally:
             self._wake.set()
 
     async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
@@ -507,11 +535,7 @@ class SchedulerDriver:
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
-            spec = SandboxSpec(image=req.image, cpu=req.cpu_limit or req.cpu, memory=req.memory_limit or req.memory,
-                               disk=req.disk_limit or req.disk,
-                               isolation=req.isolation,  # type: ignore[arg-type]
-                               network=[] if req.network else None, labels={POOL_LABEL: "1"},
-                               timeout=7 * 24 * 3600)
+            spec = pool_member_spec(req)
         else:
             spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
         async with self._sem(p.node_id):

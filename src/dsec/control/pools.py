@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dsec.config import Settings
-from dsec.control.types import LOW, Placement, Request, Running, Shape
+from dsec.control.types import LOW, Node, Placement, Request, Running, Shape
 from dsec.control.warmpool import PoolDemand, plan_pools
 
 if TYPE_CHECKING:
@@ -121,19 +121,84 @@ class PoolBook:
             if image is None:
                 continue
             for _ in range(n):
-                self._seq += 1
-                req = Request(f"pool-{self._seq}", self.TENANT, shape[0], shape[2], shape[3], shape[4], LOW,
-                              shape[1], None, shape[5], 0.0, submitted_at=now, cpu_limit=shape[6],
-                              memory_limit=shape[7], disk_limit=shape[8])
+                req = self._new_request(shape, now)
                 choice = sched.policy.choose(req, image, sched.cluster, sched.rng)
+                if choice is None and self._below_floor(shape):
+                    # An operator's floor beats demand guesses: make room by dropping a
+                    # demand-driven member of another shape (recycled members fill a pool
+                    # to its demand target at once and may hold the whole node).
+                    victim = self._surplus_member(shape)
+                    if victim is not None:
+                        sched.on_released(victim.sandbox_id, now)
+                        out.append(Placement("destroy", victim.node_id, sandbox_id=victim.sandbox_id,
+                                             shape=victim.shape))
+                        self.destroyed["floor"] = self.destroyed.get("floor", 0) + 1
+                        choice = sched.policy.choose(req, image, sched.cluster, sched.rng)
                 if choice is None or choice[0].warm_count + choice[0].inflight >= cap:
+                    if choice is None and self._below_floor(shape):
+                        self.dirty[shape] = None  # retry at the next batch, not at the next full plan
                     break
                 node, miss = choice
-                sched._alloc(node, req.cpu, req.memory, req.disk, None, 1)
-                node.inflight += 1
-                node.batch_load += 1
-                sched._touched.append(node)
-                sched.placed[req.request_id] = (req, node.node_id)
-                self.inflight[shape] = self.inflight.get(shape, 0) + 1
+                self._start_member(req, node)
                 out.append(Placement("pool", node.node_id, req, shape=shape, missing_bytes=miss))
         return out
+
+    def _below_floor(self, shape: Shape) -> bool:
+        return len(self.free.get(shape, ())) + self.inflight.get(shape, 0) < self.demand.floors.get(shape, 0)
+
+    def _surplus_member(self, shape: Shape) -> Running | None:
+        """The oldest free member of another shape held above that shape's own floor."""
+        best: Running | None = None
+        for other, lst in self.free.items():
+            if other == shape or len(lst) <= self.demand.floors.get(other, 0):
+                continue
+            for r in lst:
+                if best is None or r.started_at < best.started_at:
+                    best = r
+        return best
+
+    def _new_request(self, shape: Shape, now: float) -> Request:
+        self._seq += 1
+        return Request(f"pool-{self._seq}", self.TENANT, shape[0], shape[2], shape[3], shape[4], LOW,
+                       shape[1], None, shape[5], 0.0, submitted_at=now, cpu_limit=shape[6],
+                       memory_limit=shape[7], disk_limit=shape[8])
+
+    def _start_member(self, req: Request, node: Node) -> None:
+        """Account a member being made on ``node`` (completed by on_created / on_failed)."""
+        sched = self.sched
+        sched._alloc(node, req.cpu, req.memory, req.disk, None, 1)
+        node.inflight += 1
+        node.batch_load += 1
+        sched._touched.append(node)
+        sched.placed[req.request_id] = (req, node.node_id)
+        self.inflight[req.shape] = self.inflight.get(req.shape, 0) + 1
+
+    def may_recycle(self, r: Running, now: float) -> bool:
+        """A user released ``r``: should the same sandbox become a member of its shape's pool
+        (reset in place by the node under a new id) instead of being destroyed while a cold
+        create refills the pool? Only members it handed out go back (so recycling never
+        grows a pool past what its builder made, e.g. after a burst of cold creates), and
+        only the container tier without a network slot."""
+        shape = r.shape
+        if shape is None or r.pool or not r.from_pool or r.gpu is not None or shape[1] != "container" or shape[5]:
+            return False
+        node = self.sched.cluster.nodes.get(r.node_id)
+        image = self.sched.images.get(shape[0])
+        if node is None or not node.healthy or image is None or image.version != r.image_version:
+            return False
+        return wants_member(self.demand.target(now, shape), len(self.free.get(shape, ())),
+                            self.inflight.get(shape, 0), node.warm_count + node.inflight,
+                            self.s.warm_pool_max_per_node)
+
+    def start_recycled(self, r: Running, now: float) -> Request:
+        """Account released ``r`` as a member being made on its node; returns its pool request."""
+        assert r.shape is not None
+        req = self._new_request(r.shape, now)
+        self._start_member(req, self.sched.cluster.nodes[r.node_id])
+        return req
+
+
+def wants_member(target: int, ready: int, making: int, on_node: int, node_cap: int) -> bool:
+    """Does a pool (``ready`` + ``making`` members of ``target``) take one more on a node
+    holding ``on_node`` members and creations (at most ``node_cap``)?"""
+    return ready + making < target and on_node < node_cap

@@ -62,7 +62,7 @@ class Scheduler:
         self._no_victims: dict[tuple[int, str, str | None], tuple[float, int, int]] = {}
         self.stats = {k: 0 for k in ("submitted", "placements", "warm_hits", "warm_misses", "retries",
                                      "failed", "preemptions", "evictions", "rejected_overload",
-                                     "rejected_quota", "rejected_invalid", "abnormal", "duplicates")}
+                                     "rejected_quota", "rejected_invalid", "abnormal", "duplicates", "recycled")}
 
     # ------------------------------------------------------------------ nodes, images
     def upsert_node(self, node_id: str, cpu: float, memory: int, disk: int, *, max_sandboxes: int | None = None,
@@ -378,6 +378,7 @@ class Scheduler:
         # TTL starts now, at hand-over.
         r.pool, r.tenant, r.priority, r.request_id, r.request = False, req.tenant, req.priority, req.request_id, req
         r.owner, r.labels, r.task_type, r.expires_at = req.owner, req.labels, req.task_type, now + req.ttl
+        r.from_pool = True
         self.queues.charge(req.tenant, req.cpu, req.memory, 1)
         self.pending.pop(req.request_id, None)
         self._finish(req.request_id, "created", sandbox_id=r.sandbox_id, node_id=r.node_id, now=now)
@@ -504,6 +505,18 @@ class Scheduler:
             elif r.task_type is not None and cpu_peak is not None:
                 self.rightsizer.observe_cpu(r.task_type, cpu_peak)
         return r
+
+    def recycle(self, sandbox_id: str, now: float, cpu_peak: float | None = None) -> Request | None:
+        """The user released ``sandbox_id``; when its shape's pool wants a member, release it
+        and account the same sandbox as that member being made on its node (the driver has
+        the node reset it under a new id and reports on_created / on_failed for the returned
+        pool request). None: nothing changed, destroy and ``on_released`` as usual."""
+        r = self.running.get(sandbox_id)
+        if r is None or self.pools is None or not self.pools.may_recycle(r, now):
+            return None
+        self.on_released(sandbox_id, now, cpu_peak=cpu_peak)
+        self.stats["recycled"] += 1
+        return self.pools.start_recycled(r, now)
 
     def _finish(self, request_id: str, state: str, *, now: float, sandbox_id: str | None = None,
                 node_id: str | None = None, error: str | None = None) -> Ticket:

@@ -161,6 +161,7 @@ class Running:
     expires_at: float | None = None  # set at hand-over: the TTL starts then
     labels: dict[str, str] = field(default_factory=dict)
     task_type: str | None = None
+    from_pool: bool = False  # handed over from a warm pool: may go back to it when released
 
 
 @dataclass(slots=True)

@@ -430,7 +430,7 @@ class SandboxManager:
         """Turn a sandbox its user is done with into a fresh warm-pool member of ``spec``
         (state ``ready``) under a NEW id, instead of destroying it: processes killed, root,
         /dev, /tmp, SysV IPC, background table, env and labels back to a fresh create of
-        ``spec``, fresh cgroups (zeroed counters), hostname = the new id. The old id is
+        ``spec``, cgroups renamed with zeroed counters, hostname = the new id. The old id is
         retired at once (before the first await): every later call naming it gets a
         Conflict/NotFound. On any failure both ids are torn down and SandboxFailure raised.
         Raises Conflict (nothing changed) when the sandbox does not qualify (``recyclable``)."""
@@ -466,17 +466,16 @@ class SandboxManager:
         agent_forget(po.socket)
         lowers = self._lowers.pop(sandbox_id)
         try:
-            # The new id's lease on the image layers (the lease dir moves along with the rename).
-            mounts = await asyncio.to_thread(self.snapshotter.prepare, nid, spec.image, po.base / "lease", None)
-            if mounts.lower_dirs != lowers:
-                raise SandboxFailure(f"sandbox {sandbox_id}: its layers are not the image's", sandbox_id=sandbox_id)
+            # The new id's lease on the image's objects (what Snapshotter.prepare takes; the
+            # layers are already there, so no prepare: its upper/work dirs would be thrown away).
+            objects = [image.id] + [li.digest for li in image.layers] + [li.diff_id for li in image.layers]
+            await asyncio.to_thread(self.images.touch, image.id, [li.diff_id for li in image.layers], nid, objects)
             try:
                 def step() -> dict[str, float]:
                     rs.kill_all_but_init(CGROUP_PARENT, sandbox_id, info.pid)  # type: ignore[arg-type]
-                    rs.move_to_fresh_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
+                    rs.rename_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
                     rs.rename_paths((po.base, po.socket, rt.state_root / sandbox_id),
                                     (pn.base, pn.socket, rt.state_root / nid))
-                    shutil.rmtree(pn.base / "lease", ignore_errors=True)
                     return rs.reset_container(
                         sandbox_id=nid, init_pid=info.pid, rootfs=pn.rootfs,  # type: ignore[arg-type]
                         scratch=pn.scratch, lower_dirs=lowers, disk=info.disk, workdir=r.workdir, hosts=None,

@@ -398,45 +398,30 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
 # A destroyed sandbox of a pool shape can go back to the warm pool instead of being torn
 # down (issue 15: teardown + a cold refill were most of a short episode's cost). It gets a
 # new id, so nothing keyed by the old one (ownership, audit, dead-id records, the old
-# tenant's client) can reach it, and fresh cgroups, so no counter carries the previous
-# tenant's usage. The rest is the in-place reset above, plus the hostname (= the id).
+# tenant's client) can reach it; its cgroups are renamed with it and their counters
+# zeroed. The rest is the in-place reset above, plus the hostname (= the id).
 
-# cgroup v1 settings runc applied that a fresh cgroup must get before the init moves in
-# (cpuset first: a v1 cpuset cgroup with no cpus takes no task).
-_COPIED: tuple[tuple[str, str], ...] = (
-    ("cpuset", "cpuset.cpus"), ("cpuset", "cpuset.mems"),
-    ("memory", "memory.limit_in_bytes"), ("memory", "memory.memsw.limit_in_bytes"),
-    ("cpu", "cpu.cfs_period_us"), ("cpu", "cpu.cfs_quota_us"), ("cpu", "cpu.shares"),
-    ("pids", "pids.max"))
+# Counters a new tenant must not inherit, reset by writing 0 (cgroup v1). The rest
+# (cpu.stat, memory.stat, pids.events) cannot be reset; they are visible to the host only:
+# sandboxes get their own cgroup namespace and no cgroupfs mount.
+_ZEROED: tuple[tuple[str, str], ...] = (
+    ("cpuacct", "cpuacct.usage"), ("memory", "memory.max_usage_in_bytes"), ("memory", "memory.failcnt"),
+    ("memory", "memory.memsw.max_usage_in_bytes"), ("memory", "memory.memsw.failcnt"))
 
 
-def move_to_fresh_cgroups(parent: str, old_id: str, new_id: str, init_pid: int, timeout: float = 2.0) -> None:
-    """Give the sandbox (only its init is left) new cgroups named ``new_id`` with the same
-    limits and device rules, move the init there and remove the old ones. Fresh cgroups
-    start every counter (CPU time, peaks, failcnt, throttling, pids.events) at zero."""
-    olds = cgroups.sandbox_cgroup_dirs(parent, old_id)
-    news = [d.parent / new_id for d in olds]
-    for d in news:
-        d.mkdir(0o755, exist_ok=True)
-    root = cgroups.CGROUP_ROOT
-    for ctrl, f in _COPIED:
-        src, dst = root / ctrl / parent / old_id / f, root / ctrl / parent / new_id / f
-        if src.exists():
-            value = src.read_bytes().strip().decode()
-            if value and dst.read_bytes().strip().decode() != value:
-                cgroups._write(dst, value)
-    dev_old, dev_new = root / "devices" / parent / old_id, root / "devices" / parent / new_id
-    if dev_old.is_dir():
-        rules = dev_old.joinpath("devices.list").read_text().split("\n")
-        cgroups._write(dev_new / "devices.deny", "a")
-        for rule in filter(None, rules):
-            cgroups._write(dev_new / "devices.allow", rule)
-        if dev_new.joinpath("devices.list").read_text() != dev_old.joinpath("devices.list").read_text():
-            raise ResetError(f"sandbox {old_id}: device rules did not carry over to {new_id}")
-    for d in news:
-        cgroups._write(d / "cgroup.procs", str(init_pid))
-    deadline = time.monotonic() + timeout
-    for d in olds:
+def rename_cgroups(parent: str, old_id: str, new_id: str, init_pid: int, timeout: float = 2.0) -> None:
+    """Move the sandbox's cgroups (only its init is left in them) to ``new_id`` and zero
+    the resettable counters. cgroup v1 renames a populated cgroup in place (limits and
+    device rules stay); cgroup v2 cannot rename, so there a new cgroup takes the init and
+    the old one is removed (the hybrid unified hierarchy sets no limits here)."""
+    for d in cgroups.sandbox_cgroup_dirs(parent, old_id):
+        new = d.parent / new_id
+        if not (d / "cgroup.controllers").exists():  # a v1 hierarchy
+            os.rename(d, new)
+            continue
+        new.mkdir(0o755, exist_ok=True)
+        cgroups._write(new / "cgroup.procs", str(init_pid))
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 d.rmdir()
@@ -447,6 +432,10 @@ def move_to_fresh_cgroups(parent: str, old_id: str, new_id: str, init_pid: int, 
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.001)
+    root = cgroups.CGROUP_ROOT
+    for ctrl, f in _ZEROED:
+        with contextlib.suppress(OSError):  # a controller or swap accounting not present here
+            cgroups._write(root / ctrl / parent / new_id / f, "0")
 
 
 def rename_paths(old: tuple[Path, Path, Path], new: tuple[Path, Path, Path]) -> None:

@@ -5,8 +5,8 @@ The previous tenant here is hostile: an agent background job and a setsid daemon
 argv carry a secret, files in /tmp, /work, /root and /dev/shm, a secret in its env, CPU
 and memory burnt (cgroup counters and peaks). After the recycle the next tenant's sandbox
 must show none of it: no process, no file, no env, a hostname that is its own id, an
-empty background table, zeroed cgroup counters, and the same limits and device rules as
-a fresh create. The old id is dead at once. Container tier only: gVisor pool shapes and
+empty background table, zeroed cgroup counters (CPU time, memory peak, failcnt), and the
+same limits and device rules as a fresh create. The old id is dead at once. Container tier only: gVisor pool shapes and
 networked shapes are torn down as before (``SandboxManager.recyclable``).
 """
 
