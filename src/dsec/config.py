@@ -331,6 +331,12 @@ class Settings(BaseSettings):
                            "on one Redis) or sqlite:///PATH; empty = HOME/state.db (`dsec serve --state`)")
     state_timeout_s: float = Field(2.0, gt=0, description="Redis state: connect/read timeout of one call "
                                    "(past it the request answers 503 + Retry-After)")
+    scheduler_lease_ttl_s: float = Field(3.0, gt=0, description="Scheduler leader lease: a leader silent this "
+                                         "long is replaced (failover takes at most this plus one renew interval)")
+    scheduler_lease_renew_s: float = Field(0.5, gt=0, description="How often the leader renews its lease and "
+                                           "the other servers try to take it")
+    api_advertise_url: str = Field("", description="URL the other API servers reach this one at (a follower "
+                                   "hands placements to the leader there); empty = the address it listens on")
     blob_backend: str = Field("local", description="local (default) or s3")
     s3_endpoint: str | None = Field(None, description="S3-compatible endpoint URL")
     s3_bucket: str = Field("dsec", description="S3 bucket for blobs")

@@ -151,6 +151,21 @@ class StateSchemaMismatch(DSecError):
     code = "state_schema_mismatch"
 
 
+class LeaderFenced(Conflict):
+    """A node refused a placement or destroy carrying a scheduler fencing token below the
+    highest it has seen: the caller is a deposed scheduler leader and may not act."""
+
+    code = "leader_fenced"
+    http_status = 409
+
+
+class NotLeader(TransientError):
+    """This API server is not the scheduler leader and could not hand the placement to the
+    leader (none elected yet, or it just died): retry after ``details['retry_after']``."""
+
+    code = "not_leader"
+
+
 class NodeLost(DSecError):
     """The node that holds the sandbox does not answer (machine, raylet or agent gone):
     the sandbox is unreachable; create a new one or restore a checkpoint."""
@@ -163,7 +178,7 @@ ALL_ERRORS: tuple[type[DSecError], ...] = (
     DSecError, InvalidArgument, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge,
     QuotaExceeded, CapacityExhausted, Overloaded, Timeout, SandboxFailure, ImageError,
     DigestMismatch, UnsafeLayer, BuildFailed, CheckpointError, ReplayDiverged, StorageFull,
-    TransientError, EpisodeFenced, StateUnavailable, StateSchemaMismatch, NodeLost,
+    TransientError, EpisodeFenced, StateUnavailable, StateSchemaMismatch, NodeLost, LeaderFenced, NotLeader,
 )
 
 ERRORS_BY_CODE: dict[str, type[DSecError]] = {cls.code: cls for cls in ALL_ERRORS}

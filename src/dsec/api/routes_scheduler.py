@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Path, Request, Response
+from pydantic import BaseModel, Field, ValidationError
 
 from dsec.api.auth import require_admin
-from dsec.api.deps import Ctx
+from dsec.api.deps import Ctx, read_body_limited
 from dsec.cluster.demand import pending_demand, ray_bundles
 from dsec.control.driver import lease_key
-from dsec.errors import InvalidArgument, NotFound
+from dsec.control.leader import PEER_HEADER, PLACE_PATH, LeaderView, PlaceRequest, peer_ok, peer_secret
+from dsec.errors import Forbidden, InvalidArgument, NotFound, NotLeader
 from dsec.models import SandboxSpec
 
 router = APIRouter(tags=["scheduler"])
@@ -43,6 +44,10 @@ class NodeAllocation(BaseModel):
 
 
 class SchedulerState(BaseModel):
+    leader: str | None = Field(None, description="URL of the API server that makes placement decisions now "
+                               "(the holder of the scheduler lease; None while none holds it)")
+    leadership: LeaderView | None = Field(None, description="This server's view of the election (None: no "
+                                          "election, this server always places)")
     queue_depth: int
     queue_capacity: int
     backpressure: bool
@@ -111,7 +116,10 @@ async def scheduler_state(ctx: Ctx) -> SchedulerState:
                             predicted_load=round(n.predicted, 3))
              for n in sched.cluster.node_list]
     shapes = demand_of(_driver(ctx))
-    return SchedulerState(queue_depth=sched.depth(), queue_capacity=sched.s.queue_capacity,
+    elector = _driver(ctx).leader
+    view = elector.view() if elector is not None else None
+    return SchedulerState(leader=view.leader if view is not None else ctx.svc.settings.api_advertise_url or None,
+                          leadership=view, queue_depth=sched.depth(), queue_capacity=sched.s.queue_capacity,
                           backpressure=sched.bp.active, placements_per_s=round(sched.drain_rate, 2),
                           nodes=nodes, stats=dict(sched.stats),
                           pending_demand={"shapes": [s.model_dump() for s in shapes],
@@ -225,3 +233,33 @@ async def heartbeat(owner: OwnerName, ctx: Ctx) -> LeaseStatus:
 async def release(owner: OwnerName, ctx: Ctx) -> LeaseReleased:
     ids = await _driver(ctx).release_owner(lease_key(ctx.tenant.name, owner))
     return LeaseReleased(owner=owner, released=ids)
+
+
+@router.post(PLACE_PATH, include_in_schema=False, status_code=201)
+async def peer_place(request: Request) -> Response:
+    """A follower API server hands a placement to this one, the scheduler leader
+    (``dsec.control.leader.PlacementForwarder``). Authenticated by the deployment's peer
+    secret, not a tenant token: the follower already authenticated and admitted it."""
+    svc = request.app.state.services
+    driver = svc.scheduler
+    if driver is None or driver.leader is None:
+        raise NotFound("this server runs no scheduler election")
+    presented = request.headers.get(PEER_HEADER)
+    cached = getattr(request.app.state, "peer_secret", None)
+    if not peer_ok(presented, cached or ""):
+        request.app.state.peer_secret = cached = await peer_secret(svc.state)
+        if not peer_ok(presented, cached):
+            raise Forbidden(f"peer placement refused: missing or wrong {PEER_HEADER} secret")
+    try:
+        req = PlaceRequest.model_validate_json(await read_body_limited(request, svc.settings.api_max_json_bytes))
+    except ValidationError as e:
+        raise InvalidArgument(f"bad peer placement: {e.errors()[0].get('msg', 'invalid')}") from None
+    if not driver.leader.is_leader:
+        raise NotLeader("this server is not the scheduler leader (any more)", retry_after=0.5,
+                        leader=driver.leader.leader_url)
+    via = None
+    if req.restore is not None:
+        from dsec.cluster.checkpoints import RestoreCreator
+        via = RestoreCreator(svc.node, req.restore)
+    info = await driver.place_here(req.spec, req.sandbox_id, req.tenant, via=via)
+    return Response(info.model_dump_json(), status_code=201, media_type="application/json")

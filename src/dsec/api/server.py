@@ -59,7 +59,35 @@ def build_embedded(settings: Settings) -> Services:
     services = Services.build(settings, node, state, images=images)
     if settings.api_scheduler:
         services.attach_scheduler(_scheduler(settings, node, images))
+        attach_election(services)
     return services
+
+
+def attach_election(services: Services) -> None:
+    """One scheduler leader per deployment (dsec.control.leader): on a shared (Redis) state
+    the servers elect one and the others hand it their placements; on the embedded SQLite
+    default the server is the leader from its start (solo: nothing on the create path)."""
+    from dsec.control.leader import LeaderElector, PlacementForwarder
+
+    driver, settings = services.scheduler, services.settings
+    if driver is None:
+        return
+    from dsec.control.book import ControlBook
+
+    elector = LeaderElector(services.state, settings, solo=settings.state_backend == "sqlite")
+    driver.attach_leader(elector, None if elector.solo else PlacementForwarder(services.state, settings, elector))
+    driver.book = ControlBook(services.state)  # owner leases, pool floors, preemptions outlive us
+
+
+async def start_election(services: Services, url: str) -> None:
+    """Take part in the election under this server's URL (known once it listens)."""
+    driver = services.scheduler
+    if driver is None or driver.leader is None:
+        return
+    if driver.leader.solo:  # already the leader since the driver started: just its name
+        driver.leader.holder = services.settings.api_advertise_url or url
+        return
+    await driver.leader.start(services.settings.api_advertise_url or url)
 
 
 def _scheduler(settings: Settings, node: Any, images: Any) -> Any:
@@ -164,6 +192,7 @@ async def serve_async(settings: Settings, host: str, port: int, services: Servic
                                               **server_json_entry(url, hash_token(local_token)), "pid": os.getpid(),
                                               "started_at": time.time()}).encode())
         log.info("DSec API listening on %s (token: %s)", url, settings.home / TOKEN_FILE)
+        await start_election(services, url)
         if ready is not None:
             ready.set()
     try:

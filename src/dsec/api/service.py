@@ -279,15 +279,15 @@ class SandboxService:
         # The state store is async (SQLite on its own thread, or Redis shared by every API
         # server): a request id reserved here is seen by all servers, so a client failing
         # over to another server with the same id gets this sandbox, never a second one.
+        fresh = new_sandbox_id()
         rec = await self.state.idem_reserve(IdempotencyRecord(
-            tenant=tenant.uid, request_id=spec.request_id, sandbox_id=new_sandbox_id(), created_at=time.time()))
-        sid = str(rec.info["id"]) if rec.done and rec.info else rec.sandbox_id
-        try:
-            info = await self.node.get(sid)
-            if not rec.done:  # created, then we crashed before recording it
-                await self.state.idem_complete(tenant.uid, spec.request_id, info.model_dump(mode="json"))
-            return info
-        except NotFound:
+            tenant=tenant.uid, request_id=spec.request_id, sandbox_id=fresh, created_at=time.time()))
+        if rec.sandbox_id != fresh or rec.done:  # seen before (here or on another API server)
+            found = await self._made_for(rec)
+            if found is not None:
+                if not rec.done:  # created, then its server crashed (or failed over) before recording it
+                    await self.state.idem_complete(tenant.uid, spec.request_id, found.model_dump(mode="json"))
+                return found
             if rec.done and rec.info is not None:  # created earlier and since gone: replay the answer
                 return SandboxInfo.model_validate({**rec.info, "state": SandboxState.destroyed})
         rid = spec.request_id
@@ -297,9 +297,28 @@ class SandboxService:
 
         try:
             return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete)
+        except TransientError:
+            # Outcome unknown (the scheduler leader died or moved with it in flight): the
+            # retry keeps this sandbox id, so it finds what was made instead of a second one.
+            raise
         except DSecError:
             await self.state.idem_delete(tenant.uid, spec.request_id)  # retry afresh
             raise
+
+    async def _made_for(self, rec: IdempotencyRecord) -> SandboxInfo | None:
+        """The sandbox a seen request id made, if it exists: under its reserved id, or a
+        warm member handed over for it (labelled with that id by the scheduler)."""
+        sid = str(rec.info["id"]) if rec.done and rec.info else rec.sandbox_id
+        try:
+            return await self.node.get(sid)
+        except NotFound:
+            pass
+        if rec.done:
+            return None
+        from dsec.control.convert import FOR_LABEL
+
+        made = await self.node.list(labels={FOR_LABEL: rec.sandbox_id})
+        return made[0] if made else None
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
                           creator: Creator | None = None,
@@ -331,7 +350,8 @@ class SandboxService:
             info = await asyncio.shield(task)
         except Exception as e:
             self.metrics.creates.labels(result=e.code if isinstance(e, DSecError) else "internal").inc()
-            await self.state.mark_dead([sandbox_id], time.time())
+            if not isinstance(e, TransientError):  # unknown outcome: it may exist (found on retry)
+                await self.state.mark_dead([sandbox_id], time.time())
             if isinstance(e, NotFound) and "available" in e.details:  # the node's image list: never shown
                 raise _unknown_image(spec.image) from None
             raise

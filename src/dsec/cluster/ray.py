@@ -408,12 +408,13 @@ class RayNodeProxy:
         return await self._call("resolve_image", ref)
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
-                     pooled: bool = False, restore: Any = None) -> Any:
+                     pooled: bool = False, restore: Any = None, fence: int | None = None) -> Any:
         return await self._call("create", spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
-                                restore=restore)
+                                restore=restore, fence=fence)
 
-    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> Any:
-        return await self._call("claim", sandbox_id, spec, tenant)
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
+                    fence: int | None = None) -> Any:
+        return await self._call("claim", sandbox_id, spec, tenant, fence=fence)
 
     async def get(self, sandbox_id: str) -> Any:
         return await self._call("get", sandbox_id)
@@ -421,8 +422,11 @@ class RayNodeProxy:
     async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> Any:
         return await self._call("list", labels, tenant)
 
-    async def destroy(self, sandbox_id: str) -> None:
-        await self._call("destroy", sandbox_id)
+    async def destroy(self, sandbox_id: str, *, fence: int | None = None) -> None:
+        await self._call("destroy", sandbox_id, fence=fence)
+
+    async def raise_fence(self, token: int) -> Any:
+        return await self._call("raise_fence", token)
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> Any:
         return await self._call("set_timeout", sandbox_id, timeout)

@@ -202,7 +202,8 @@ class ClusterRouter:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
-                     pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
+                     pooled: bool = False, restore: RestoreSource | None = None,
+                     fence: int | None = None) -> SandboxInfo:
         counts = {n: 0 for n in self.agents if placeable(self.states.get(n, NodeState.ready))}
         if not counts:
             raise errors.CapacityExhausted("no node of the cluster is ready (all lost or draining)", retry_after=5.0)
@@ -211,11 +212,12 @@ class ClusterRouter:
                 counts[nid] += 1
         nid = least_loaded(counts)
         info = await self.agents[nid].create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
-                                             restore=restore)
+                                             restore=restore, fence=fence)
         return self._learn(info, nid)
 
-    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
-        return await (await self._on(sandbox_id)).claim(sandbox_id, spec, tenant)
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
+                    fence: int | None = None) -> SandboxInfo:
+        return await (await self._on(sandbox_id)).claim(sandbox_id, spec, tenant, fence=fence)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return await (await self._on(sandbox_id)).get(sandbox_id)
@@ -235,18 +237,23 @@ class ClusterRouter:
             out += [self._learn(i, nid) for i in infos]
         return sorted(out, key=lambda i: i.created_at)
 
-    async def destroy(self, sandbox_id: str) -> None:
+    async def raise_fence(self, token: int) -> int:
+        """Every reachable node's bar (the lowest answer: a node already past ``token`` refuses)."""
+        got = await asyncio.gather(*(a.raise_fence(token) for a in self.live_agents().values()))
+        return min(got, default=token)
+
+    async def destroy(self, sandbox_id: str, *, fence: int | None = None) -> None:
         try:
             agent = await self._on(sandbox_id)
         except errors.NotFound:
             # Not live anywhere: a node that knew it (already destroyed) answers quietly,
             # as a single node does; nobody knowing it is NotFound.
-            done = await asyncio.gather(*(a.destroy(sandbox_id) for a in self.live_agents().values()),
+            done = await asyncio.gather(*(a.destroy(sandbox_id, fence=fence) for a in self.live_agents().values()),
                                         return_exceptions=True)
             if all(isinstance(d, errors.NotFound) for d in done):
                 raise
             return
-        await agent.destroy(sandbox_id)
+        await agent.destroy(sandbox_id, fence=fence)
         self.where.pop(sandbox_id, None)
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:

@@ -56,6 +56,8 @@ def build_cluster(settings: Settings) -> Any:
     driver = scheduler(settings, router) if settings.api_scheduler else None
     if driver is not None:
         services.attach_scheduler(driver)
+        from dsec.api.server import attach_election
+        attach_election(services)  # one placing leader among the API servers on this cluster
     joins = Membership(settings, router, driver)
     router.background.append(joins.run)
     beats = Heartbeats(settings, router, driver)

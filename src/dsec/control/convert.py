@@ -10,6 +10,7 @@ from dsec.control.types import PRIORITIES, Request
 from dsec.models import SandboxSpec
 
 POOL_LABEL = "dsec.pool"
+FOR_LABEL = "dsec.for"  # on a warm member handed over: the sandbox id its request reserved (failover retries)
 OWNER_LABEL = "dsec.owner"  # the lease owner, kept on the sandbox so a restart can adopt it
 
 

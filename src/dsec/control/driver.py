@@ -18,13 +18,16 @@ Wiring into the API service (its ``Creator`` seam)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
 from dsec.control.convert import (
+    FOR_LABEL,
     OWNER_LABEL,
     POOL_LABEL,
     cpu_request,
@@ -34,12 +37,28 @@ from dsec.control.convert import (
     share_request,
     spec_to_request,
 )
+from dsec.control.book import PreemptedDoc, floor_key, to_monotonic
 from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
-from dsec.errors import Conflict, Forbidden, ImageError, InvalidArgument, NotFound, Overloaded, SandboxFailure, Timeout
+from dsec.errors import (
+    Conflict,
+    Forbidden,
+    ImageError,
+    InvalidArgument,
+    LeaderFenced,
+    NotFound,
+    NotLeader,
+    Overloaded,
+    SandboxFailure,
+    Timeout,
+)
 from dsec.models import SandboxInfo, SandboxSpec
-from dsec.node.api import NodeAgent
+from dsec.node.api import NodeAgent, RestoreSource
+
+if TYPE_CHECKING:
+    from dsec.control.book import ControlBook
+    from dsec.control.leader import LeaderElector, PlacementForwarder
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +97,148 @@ class SchedulerDriver:
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        # Scheduler leadership (dsec.control.leader): None = this driver alone decides (no
+        # election: in-process use). Otherwise it places only while it holds the lease and
+        # its view was rebuilt for that term (``_view_token``); a follower hands creates to
+        # the leader (``forwarder``).
+        self.leader: LeaderElector | None = None
+        self.forwarder: PlacementForwarder | None = None
+        self._view_token: int | None = None
+        # Records a new leader needs (owner leases, pool floors, preemptions): the state
+        # store (dsec.control.book); None = memory only (in-process use without a store).
+        self.book: ControlBook | None = None
+        self._floors_applied: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
+    def attach_leader(self, elector: LeaderElector, forwarder: PlacementForwarder | None) -> None:
+        """Place only as the elected scheduler leader (before ``start``)."""
+        self.leader, self.forwarder = elector, forwarder
+        elector.on_elected = self._take_over
+        elector.on_deposed = self._step_down
+
+    def leading(self) -> bool:
+        """May this driver make placement decisions now?"""
+        if self.leader is None:
+            return True
+        tok = self.leader.fence()
+        return tok is not None and tok == self._view_token
+
+    def _fence(self) -> int | None:
+        """The fencing token for a call to a node now. Not leading: no call at all (a call
+        without a token would not be checked by the node)."""
+        if self.leader is None:
+            return None
+        tok = self.leader.fence()
+        if tok is None:
+            raise NotLeader("this API server lost the scheduler lease: the placement is left to the new leader; "
+                            "retry", retry_after=self.s.scheduler_lease_renew_s)
+        return tok
+
     async def start(self) -> None:
-        """Register every agent's capacity with the scheduler and start the loop."""
+        """Register every agent's capacity with the scheduler and start the loop. Under an
+        election the nodes' sandboxes are adopted when this server becomes the leader."""
         for node_id, agent in self.agents.items():
             cap = agent.capacity()
             self.sched.upsert_node(node_id, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
                                    isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels)
-            await self._adopt(node_id, agent)
+            if self.leader is None:
+                await self._adopt(node_id, agent)
+        if self.leader is not None and self.leader.solo:
+            # The embedded single server leads from its start (its view is built here).
+            await self.leader.start(self.s.api_advertise_url or "local")
         self._loop_task = asyncio.create_task(self._loop(), name="dsec-scheduler-driver")
+
+    async def _take_over(self, token: int) -> None:
+        """Elected with ``token``: raise the fence on every node first (from now on the
+        previous leader's calls are refused there), then rebuild the view from the nodes:
+        forget what they no longer hold, adopt what they hold (the state store keeps who
+        owns each sandbox; the nodes keep what exists)."""
+        self._view_token = None
+        for node_id, agent in self.agents.items():
+            try:
+                await agent.raise_fence(token)
+            except LeaderFenced:
+                raise  # a newer leader already acted there: this term is over before it began
+            except Exception:  # noqa: BLE001 - a node that cannot answer is fenced at our first call
+                log.exception("raising the scheduler fence on %s failed", node_id)
+        for node_id, agent in self.agents.items():
+            listed_at = self.clock()
+            try:
+                live = {i.id for i in await agent.list()}
+            except Exception:  # noqa: BLE001 - judged again by the periodic node sync
+                log.exception("listing %s for the new leader's view failed", node_id)
+                continue
+            self.sched.sync_node(node_id, live, listed_at)
+            await self._adopt(node_id, agent, fence=token)
+        if self.book is not None:
+            await self._load_preempted(token)
+            await self._sync_book()
+        self._view_token = token
+        self._wake.set()
+
+    async def _load_preempted(self, token: int) -> None:
+        """Queue again the resumption of every preempted sandbox the store still records
+        (the previous leader checkpointed and stopped it, then died before resuming it)."""
+        assert self.book is not None
+        for sid, doc in (await self.book.all_preempted()).items():
+            if sid in self._preempted or doc.spec is None:
+                continue
+            self._preempted[sid] = (doc.tenant, doc.checkpoint_id)
+            try:
+                self._know_image(doc.spec.image)
+                req = spec_to_request(doc.spec, doc.tenant, f"{sid}~resume-t{token}", self.s)
+            except Exception:  # noqa: BLE001 - an image gone since: that one stays preempted (503), logged
+                log.exception("cannot queue the resumption of preempted sandbox %s", sid)
+                continue
+            req.resume_of = sid
+            req.cold = True
+            self.sched.submit(req, self.clock())
+
+    async def _sync_book(self) -> None:
+        """The leader takes in what any server wrote: owners' heartbeats (the newest wins),
+        released owners (their sandboxes are reaped now), pool floors."""
+        assert self.book is not None
+        now_wall, now = time.time(), self.clock()
+        for owner, doc in (await self.book.owners()).items():
+            if doc.released:
+                ids = self.sched.owned_by(owner)
+                self.sched.drop_lease(owner)
+                await asyncio.gather(*(self._destroy(sid, f"owner {owner} released its lease") for sid in ids))
+                await self.book.forget_owner(owner)
+                continue
+            seen = to_monotonic(doc.last_heartbeat, now_wall, now)
+            lease = self.sched.leases.get(owner)
+            if lease is None or lease.last_heartbeat < seen:
+                self.sched.heartbeat(owner, seen)
+        floors = await self.book.floors()
+        want = {floor_key(f.spec): f.size for f in floors}
+        if want != self._floors_applied:
+            for f in floors:
+                if self._floors_applied.get(floor_key(f.spec)) != f.size:
+                    self._set_floor(f.spec, f.size)
+            for key in set(self._floors_applied) - set(want):
+                log.info("pool floor %s was removed on another server", key)
+            self._floors_applied = want
+
+    def _step_down(self) -> None:
+        """Deposed: decide nothing more. Queued requests are withdrawn and their callers
+        told to retry (503 not_leader): the same request id reaches the new leader."""
+        self._view_token = None
+        for rid, fut in list(self._waiters.items()):
+            t = self.sched.tickets.get(rid)
+            if t is not None and t.state == "queued":
+                self.sched.cancel(rid)
+            elif t is not None and t.state == "placed":
+                continue  # in flight on a node: its outcome still resolves the waiter
+            self._waiters.pop(rid, None)
+            self._sids.pop(rid, None)
+            self._via.pop(rid, None)
+            if not fut.done():
+                fut.set_exception(NotLeader(f"request {rid!r}: this server lost the scheduler lease before "
+                                            "placing it; retry (the new leader places it)",
+                                            retry_after=self.s.scheduler_lease_renew_s))
+                fut.exception()
+        self._wake.set()
 
     async def close(self) -> None:
         """Stop the loop, wait for in-flight operations, fail remaining waiters."""
@@ -102,15 +253,20 @@ class SchedulerDriver:
                 fut.set_exception(SandboxFailure(f"request {rid!r}: scheduler shut down before it was placed"))
                 fut.exception()  # a waiter may be gone already: no "never retrieved" noise
         self._waiters.clear()
-        await self._drain_pools()
+        if self.leading():
+            await self._drain_pools()
+        if self.leader is not None:
+            await self.leader.close()
+        if self.forwarder is not None:
+            await self.forwarder.close()
 
-    async def _adopt(self, node_id: str, agent: NodeAgent) -> None:
+    async def _adopt(self, node_id: str, agent: NodeAgent, fence: int | None = None) -> None:
         """Account the sandboxes a node already runs (a restart adopted them); pool members
-        left by a crash are destroyed, since pools are rebuilt from demand."""
+        left by a crash (or a previous leader) are destroyed, since pools are rebuilt from demand."""
         now = self.clock()
         for info in await agent.list():
             if info.labels.get(POOL_LABEL) == "1" and info.state.value == "ready":
-                await agent.destroy(info.id)
+                await agent.destroy(info.id, fence=fence)
                 continue
             left = None
             if info.started_at is not None:
@@ -146,7 +302,7 @@ class SchedulerDriver:
             for info in members:
                 if info.state.value == "ready":
                     try:
-                        await agent.destroy(info.id)
+                        await agent.destroy(info.id, fence=self._fence())
                     except Exception:  # noqa: BLE001
                         log.exception("destroying pool member %s failed", info.id)
 
@@ -168,6 +324,8 @@ class SchedulerDriver:
         """The user killed a preempted sandbox: withdraw its resumption."""
         if self._preempted.pop(sandbox_id, None) is None:
             return False
+        if self.book is not None:
+            await self.book.resumed(sandbox_id)
         for rid, req in list(self.sched.pending.items()):
             if req.resume_of == sandbox_id:
                 self.sched.cancel(rid)
@@ -249,6 +407,23 @@ class SchedulerDriver:
         The returned info's id may differ from ``sandbox_id`` on a warm-pool hit (the
         pool member is handed over); callers must use ``info.id``.
         """
+        if self.leader is not None and not self.leader.is_leader and self.forwarder is not None:
+            # A follower: the leader places it (the same sandbox id, so a retry after the
+            # leader died finds what it made instead of making a second one).
+            restore = getattr(via, "restore", None) if via is not None else None
+            if via is not None and restore is None:
+                raise NotLeader("this API server is not the scheduler leader and this kind of create cannot be "
+                                "handed over; retry on the leader", retry_after=self.s.scheduler_lease_renew_s,
+                                leader=self.leader.leader_url)
+            info = await self.forwarder.place(spec, sandbox_id, tenant, restore)
+            if info is not None:
+                return info
+            # None: this server became the leader meanwhile; place it here.
+        return await self.place_here(spec, sandbox_id, tenant, via=via)
+
+    async def place_here(self, spec: SandboxSpec, sandbox_id: str, tenant: str, *,
+                         via: Creator | None = None) -> SandboxInfo:
+        """Submit to this server's scheduler and wait (the leader, or no election)."""
         rid = f"{tenant}/{spec.request_id}" if spec.request_id else sandbox_id
         owner = None
         if spec.owner is not None:
@@ -294,11 +469,18 @@ class SchedulerDriver:
 
     def set_pool(self, spec: SandboxSpec, size: int) -> dict[str, object]:
         """Keep ``size`` warm sandboxes of ``spec``'s shape ready (0 = demand-driven only)."""
+        shape = self._set_floor(spec, size)
+        if self.book is not None:  # the leader (now or a later one) keeps it
+            self._floors_applied[floor_key(spec)] = size
+            self._spawn(self._logged(self.book.set_floor(spec, size), "recording a pool floor"))
+        return self.pool_status(shape)
+
+    def _set_floor(self, spec: SandboxSpec, size: int) -> tuple:  # type: ignore[type-arg]
         self._know_image(spec.image)
         req = spec_to_request(self._default_to_fit(spec), "__pool__", "pool-floor", self.s)
         self.sched.set_pool_floor(req, size)
         self._wake.set()
-        return self.pool_status(req.shape)
+        return req.shape
 
     def pool_status(self, shape: tuple | None = None) -> dict[str, object]:  # type: ignore[type-arg]
         pools = self.sched.pools
@@ -365,13 +547,27 @@ class SchedulerDriver:
         """Renew ``owner``'s lease (a tenant-qualified key, see ``lease_key``); returns
         (sandboxes it holds, seconds of silence before they are reaped)."""
         self.sched.heartbeat(owner, self.clock())
+        if self.book is not None:  # any server takes heartbeats; the leader's reaper reads them
+            self._spawn(self._logged(self.book.heartbeat(owner, time.time()), f"recording {owner}'s heartbeat"))
         return len(self.sched.owned_by(owner)), self.s.heartbeat_interval_s * self.s.heartbeat_misses
+
+    async def _logged(self, coro: Awaitable[None], what: str) -> None:
+        try:
+            await coro
+        except Exception:  # noqa: BLE001 - best effort; the next write carries the news
+            log.warning("%s in the state store failed", what, exc_info=True)
 
     async def release_owner(self, owner: str) -> list[str]:
         """The owner is done (a run finished): reap everything it holds now, drop its lease."""
+        if self.book is not None and not self.leading():
+            # A follower: the leader reaps them at its next pass (a tombstone in the store).
+            await self.book.release_owner(owner, time.time())
+            return []
         ids = self.sched.owned_by(owner)
         self.sched.drop_lease(owner)
         await asyncio.gather(*(self._destroy(sid, f"owner {owner} released its lease") for sid in ids))
+        if self.book is not None:
+            await self.book.forget_owner(owner)
         return ids
 
     # ------------------------------------------------------------------ loop
@@ -380,6 +576,12 @@ class SchedulerDriver:
         next_sync = self.clock() + self.s.node_sync_interval_s
         while not self._stopping:
             now = self.clock()
+            if not self.leading():
+                # A follower (or a leader still rebuilding its view) decides nothing.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.s.scheduler_lease_renew_s)
+                continue
             if now >= next_sync:
                 next_sync = now + self.s.node_sync_interval_s
                 self._spawn(self._sync_nodes())
@@ -392,6 +594,8 @@ class SchedulerDriver:
                     self._spawn(self._sample_usage(now))
             if now >= next_reap:
                 next_reap = now + self.s.reaper_interval_s
+                if self.book is not None:
+                    self._spawn(self._sync_book_logged())
                 for d in self.sched.reap(now):
                     self._spawn(self._destroy(d.sandbox_id, f"reaped: {d.reason}"))
                 self._settle_orphans()
@@ -404,6 +608,12 @@ class SchedulerDriver:
                 pass
             # Gather requests arriving within one window into the next batch.
             await asyncio.sleep(self.s.batch_window_s if len(self.sched.queues) else 0)
+
+    async def _sync_book_logged(self) -> None:
+        try:
+            await self._sync_book()
+        except Exception:  # noqa: BLE001 - the store may be away: judged again next pass
+            log.warning("reading the control records from the state store failed", exc_info=True)
 
     async def _sample_usage(self, now: float) -> None:
         """Each node's CPU use, measured on the node (``NodeAgent.usage``), for the
@@ -459,10 +669,11 @@ class SchedulerDriver:
         r = self.sched.running.get(sandbox_id)
         node_id = r.node_id if r else None
         cpu = await self._cpu_used(node_id, r) if node_id is not None else None
+        fence = self._fence()
         self.sched.on_released(sandbox_id, self.clock(), cpu_peak=cpu)
         if node_id is not None:
             try:
-                await self.agents[node_id].destroy(sandbox_id)
+                await self.agents[node_id].destroy(sandbox_id, fence=fence)
             except NotFound:
                 pass
             log.info("destroyed %s on %s (%s)", sandbox_id, node_id, why)
@@ -475,8 +686,9 @@ class SchedulerDriver:
     async def _execute(self, p: Placement) -> None:
         agent = self.agents[p.node_id]
         try:
+            fence = self._fence()
             if p.kind == "destroy":
-                await agent.destroy(p.sandbox_id)  # type: ignore[arg-type]
+                await agent.destroy(p.sandbox_id, fence=fence)  # type: ignore[arg-type]
                 return
             req = p.request
             assert req is not None
@@ -491,15 +703,23 @@ class SchedulerDriver:
                 self._resolve(req.request_id, info)
                 return
             for sid in p.evict:
-                await agent.destroy(sid)
+                await agent.destroy(sid, fence=fence)
             for sid in p.preempt:
                 await self._preempt(agent, p.node_id, sid)
             await self._create(agent, p, req)
         except Exception as e:  # noqa: BLE001 - every failure is reported, never lost
             log.warning("placement %s on %s failed: %s", p.kind, p.node_id, e)
+            retriable = not isinstance(e, _PERMANENT)
+            if isinstance(e, (LeaderFenced, NotLeader)):
+                # Deposed (the node saw a newer leader, or our lease ran out): nothing is
+                # retried here; the caller retries and the new leader places it.
+                if isinstance(e, LeaderFenced) and self.leader is not None:
+                    self.leader.fenced(e.message)
+                e, retriable = NotLeader(f"this server is no longer the scheduler leader ({e.message}); retry",
+                                         retry_after=self.s.scheduler_lease_renew_s), False
             if p.kind in ("create", "pool") and p.request is not None and p.request.request_id in self.sched.placed:
                 # A bad spec or image fails the same way on every node: no retry.
-                self._failed(p.request.request_id, str(e), not isinstance(e, _PERMANENT), cause=e)
+                self._failed(p.request.request_id, str(e), retriable, cause=e)
                 victim = p.request.resume_of
                 t = self.sched.tickets.get(p.request.request_id)
                 if victim is not None and (t is None or t.state == "failed"):
@@ -524,14 +744,23 @@ class SchedulerDriver:
                              self.clock(), labels=info.labels)
             raise
         self._preempted[sandbox_id] = (tenant, checkpoint_id)
-        await agent.destroy(sandbox_id)
+        if self.book is not None:  # before the stop: a new leader must be able to resume it
+            resume = next((r for r in self.sched.pending.values() if r.resume_of == sandbox_id), None)
+            spec = resume.payload if resume is not None and isinstance(resume.payload, SandboxSpec) else None
+            await self.book.preempted(sandbox_id, PreemptedDoc(tenant=tenant, checkpoint_id=checkpoint_id, spec=spec))
+        await agent.destroy(sandbox_id, fence=self._fence())
         log.info("preempted %s on %s (checkpoint %s); queued for resumption", sandbox_id, node_id, checkpoint_id)
 
     async def _claim(self, agent: NodeAgent, sandbox_id: str, req: Request) -> SandboxInfo:
         """Hand a pool member to the user: the node applies the request's labels/env/tenant
         and starts its TTL."""
         spec = req.payload if isinstance(req.payload, SandboxSpec) else SandboxSpec(image=req.image)
-        return await agent.claim(sandbox_id, spec, req.tenant)
+        asked = self._sids.get(req.request_id)
+        if asked and self.leader is not None and not self.leader.solo:
+            # Several API servers: the member carries the id the caller reserved, so a retry
+            # after the leader died mid-hand-over finds it (dsec.api.service._made_for).
+            spec = spec.model_copy(update={"labels": {**spec.labels, FOR_LABEL: asked}})
+        return await agent.claim(sandbox_id, spec, req.tenant, fence=self._fence())
 
     async def _create(self, agent: NodeAgent, p: Placement, req: Request) -> None:
         if p.kind == "pool":
@@ -543,6 +772,8 @@ class SchedulerDriver:
                 tenant, checkpoint_id = self._preempted[req.resume_of]
                 info = await self._resume(tenant, checkpoint_id, req.resume_of)
                 del self._preempted[req.resume_of]
+                if self.book is not None:
+                    await self._logged(self.book.resumed(req.resume_of), "clearing a preemption record")
             elif req.resume_of is not None:
                 # Killed by its user while queued (or never checkpointed): nothing to resume.
                 self.sched.on_failed(req.request_id, self.clock(), "resumption withdrawn", retriable=False)
@@ -552,16 +783,16 @@ class SchedulerDriver:
                 restore = getattr(via, "restore", None)  # dsec.cluster.checkpoints.RestoreCreator
                 if restore is not None:  # built on the node placed here, which unpacks the checkpoint
                     info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id) or None,
-                                              tenant=req.tenant, restore=restore)
+                                              tenant=req.tenant, restore=restore, fence=self._fence())
                 else:
                     info = await via(spec, self._sids.get(req.request_id) or "", req.tenant)
                 self._via.pop(req.request_id, None)
             elif p.kind == "pool":
                 # A pooled create stays "ready" with no TTL running until it is claimed.
-                info = await agent.create(spec, pooled=True)
+                info = await agent.create(spec, pooled=True, fence=self._fence())
             else:
                 info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id),
-                                          tenant=None if p.kind == "pool" else req.tenant)
+                                          tenant=None if p.kind == "pool" else req.tenant, fence=self._fence())
         now = self.clock()
         img = self.sched.images.get(req.image)
         if img is not None:
@@ -593,7 +824,7 @@ class SchedulerDriver:
             if fut is not None and not fut.done():
                 # The user's own mistake (bad spec, image, permission) keeps its type and
                 # status (4xx naming the field); only node failures become SandboxFailure.
-                fut.set_exception(cause if isinstance(cause, _PERMANENT) else
+                fut.set_exception(cause if isinstance(cause, (*_PERMANENT, NotLeader)) else
                                   SandboxFailure(f"request {request_id!r} failed: {t.error}"))
         self._wake.set()
 

@@ -22,6 +22,7 @@ from dsec.node.api import (
     CheckpointInfo,
     DeniedAttempt,
     ExecEvent,
+    FenceGate,
     ImageLayers,
     LayerIndex,
     NodeCapacity,
@@ -57,6 +58,8 @@ class LocalNodeAgent:
         self._network = network
         self._net_lock = asyncio.Lock()
         self._cpu_base: dict[str, tuple[float, float]] = {}  # sandbox -> (CPU s, time) at hand-over
+        # Scheduler leader fencing (issue 13): a deposed leader's placements/destroys are refused.
+        self.fence = FenceGate(self.node_id, settings.home / "node" / "scheduler_fence")
         # idle kept-alive exec connections of a sandbox die with it: close them at teardown
         self.manager.before_teardown.append(self._forget_agent)
 
@@ -117,9 +120,12 @@ class LocalNodeAgent:
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
                      pooled: bool = False, restore: RestoreSource | None = None,
-                     extra_lower_dirs: list[Path] | None = None) -> SandboxInfo:
+                     extra_lower_dirs: list[Path] | None = None, fence: int | None = None) -> SandboxInfo:
         """``extra_lower_dirs`` is node-local (checkpoint engine on this node); remote callers
         pass ``restore`` and the node unpacks the checkpoint's layers itself."""
+        self.fence.check(fence, f"creating {sandbox_id or 'a sandbox'}")
+        if sandbox_id is not None and sandbox_id in self.manager.live:
+            return await self._same_create(sandbox_id, tenant)
         if restore is not None:
             if pooled or extra_lower_dirs:
                 raise InvalidArgument("a restore is never a pool member and brings its own layers", field="restore")
@@ -133,6 +139,19 @@ class LocalNodeAgent:
         if not pooled and "task" in spec.labels:
             self._mark_cpu_base(info.id)
         return info
+
+    async def _same_create(self, sandbox_id: str, tenant: str | None) -> SandboxInfo:
+        """A create for an id this node already holds is the same create sent twice (a
+        scheduler leader died with it in flight and its successor placed the request again,
+        issue 13): answer that sandbox once it is built, never a second one with its id."""
+        rec = self.manager.live[sandbox_id]
+        if rec.info.tenant != tenant:
+            from dsec.errors import Conflict
+            raise Conflict(f"sandbox {sandbox_id} already exists on node {self.node_id}", sandbox_id=sandbox_id)
+        deadline = time.monotonic() + self.settings.client_timeout_s
+        while rec.info.state.value == "creating" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return await self.get(sandbox_id)
 
     async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo:
         """Replace a live sandbox's egress allow-list (takes effect at once, host-side)."""
@@ -214,7 +233,9 @@ class LocalNodeAgent:
     async def checkpoint(self, sandbox_id: str, tenant: str) -> CheckpointInfo:
         return await self.checkpoints.checkpoint(tenant, sandbox_id)  # type: ignore[no-any-return]
 
-    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
+                    fence: int | None = None) -> SandboxInfo:
+        self.fence.check(fence, f"handing over {sandbox_id}")
         info = await self.manager.claim(sandbox_id, spec, tenant)
         if "task" in spec.labels:  # right-sizing samples only task-typed sandboxes
             self._mark_cpu_base(sandbox_id)
@@ -234,7 +255,12 @@ class LocalNodeAgent:
             out.append(self.manager.info(rec))
         return sorted(out, key=lambda i: i.created_at)
 
-    async def destroy(self, sandbox_id: str) -> None:
+    async def raise_fence(self, token: int) -> int:
+        self.fence.check(token, "a new scheduler leader")
+        return self.fence.highest
+
+    async def destroy(self, sandbox_id: str, *, fence: int | None = None) -> None:
+        self.fence.check(fence, f"destroying {sandbox_id}")
         self._cpu_base.pop(sandbox_id, None)
         await self.manager.destroy(sandbox_id)
 

@@ -19,10 +19,12 @@ fetches it once in ``start()``). ``exec_stream`` is an async iterator of ``ExecE
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from dsec.errors import LeaderFenced
 from dsec.models import (
     BackgroundProcess,
     ExecEvent,
@@ -35,8 +37,42 @@ from dsec.models import (
 from dsec.models.checkpoint import CheckpointInfo
 from dsec.net.models import DeniedAttempt
 
-__all__ = ["CheckpointInfo", "DeniedAttempt", "ExecEvent", "ImageLayers", "LayerIndex", "NodeAgent",
+__all__ = ["CheckpointInfo", "DeniedAttempt", "ExecEvent", "FenceGate", "ImageLayers", "LayerIndex", "NodeAgent",
            "NodeCapacity", "NodeHealth", "NodeUsage", "RestoreSource"]
+
+
+class FenceGate:
+    """The node's side of scheduler leadership (issue 13): the highest fencing token any
+    leader has shown it. Placement and destroy calls carry the caller's token; a lower one
+    comes from a deposed leader (a newer one has acted here since) and is refused, so a
+    leader that lost its lease can never place or destroy again, even with calls it had in
+    flight. ``path`` keeps the highest token across an agent restart (written only when it
+    grows: once per new leader)."""
+
+    def __init__(self, node_id: str, path: Path | None = None) -> None:
+        self.node_id = node_id
+        self.path = path
+        self.highest = 0
+        if path is not None:
+            try:
+                self.highest = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                self.highest = 0
+
+    def check(self, token: int | None, what: str) -> None:
+        """Admit ``token`` (None: not a scheduler call) or raise ``LeaderFenced``."""
+        if token is None:
+            return
+        if token < self.highest:
+            raise LeaderFenced(f"node {self.node_id} refused {what}: scheduler fencing token {token} is below "
+                               f"{self.highest}, the newest leader's; this server is no longer the scheduler "
+                               "leader", token=token, highest=self.highest, node=self.node_id)
+        if token > self.highest:
+            self.highest = token
+            if self.path is not None:
+                from dsec.durable import atomic_write
+
+                atomic_write(self.path, str(token).encode())
 
 
 class NodeCapacity(BaseModel):
@@ -119,18 +155,27 @@ class NodeAgent(Protocol):
 
     # --- lifecycle --------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
-                     pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
+                     pooled: bool = False, restore: RestoreSource | None = None,
+                     fence: int | None = None) -> SandboxInfo:
         """``pooled``: a warm-pool member, state ``ready``, no TTL until ``claim``.
-        ``restore``: root = image + the checkpoint's layers (verified) + a fresh upper."""
+        ``restore``: root = image + the checkpoint's layers (verified) + a fresh upper.
+        ``fence``: the scheduler leader's fencing token (``FenceGate``); a token below the
+        highest this node has seen is refused with ``LeaderFenced``. None: not a scheduler
+        decision (a user's own call), not checked."""
 
-    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
+                    fence: int | None = None) -> SandboxInfo:
         """Hand a ``ready`` pool member to a user with the request's env/labels/timeout."""
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
     async def list(self, labels: dict[str, str] | None = None, tenant: str | None = None) -> list[SandboxInfo]: ...
 
-    async def destroy(self, sandbox_id: str) -> None: ...
+    async def destroy(self, sandbox_id: str, *, fence: int | None = None) -> None: ...
+
+    async def raise_fence(self, token: int) -> int:
+        """A new scheduler leader's first call: from now on calls with a lower token are
+        refused (``LeaderFenced`` if ``token`` itself is already below). Returns the highest."""
 
     async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo: ...
 
@@ -173,7 +218,7 @@ class NodeAgent(Protocol):
 
 
 NODE_METHODS: tuple[str, ...] = (
-    "usage", "health", "layer_index", "resolve_image", "create", "claim", "get", "list", "destroy",
+    "usage", "health", "layer_index", "resolve_image", "create", "claim", "get", "list", "destroy", "raise_fence",
     "set_timeout", "reset", "cpu_used", "exec", "processes", "kill_process", "read_file", "write_file", "list_files",
     "remove_file", "upload_tar", "download_tar", "update_network", "network_denied_events", "checkpoint")
 """The async request/response methods of ``NodeAgent`` (``exec_stream``, ``capacity``,

@@ -34,6 +34,7 @@ from dsec.models.sandbox import SandboxState
 from dsec.net.models import DeniedAttempt
 from dsec.node.api import (
     ExecEvent,
+    FenceGate,
     ImageLayers,
     LayerIndex,
     NodeCapacity,
@@ -87,6 +88,7 @@ class FakeNodeAgent:
         self.fail_creates = fail_creates
         self.create_delay_s = create_delay_s
         self.store = checkpoints if checkpoints is not None else FakeCheckpointStore()
+        self.fence = FenceGate(node_id)  # like the real node: a deposed leader's calls are refused
         self.sandboxes: dict[str, SandboxInfo] = {}  # live ones (tests may delete to simulate a vanish)
         self.files: dict[str, dict[str, bytes]] = {}
         self.destroyed: list[str] = []  # ids in the order they were destroyed
@@ -130,7 +132,9 @@ class FakeNodeAgent:
 
     # --- lifecycle --------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
-                     pooled: bool = False, restore: RestoreSource | None = None) -> SandboxInfo:
+                     pooled: bool = False, restore: RestoreSource | None = None,
+                     fence: int | None = None) -> SandboxInfo:
+        self.fence.check(fence, f"creating {sandbox_id or 'a sandbox'}")
         self.create_calls += 1
         await asyncio.sleep(self.create_delay_s)
         if self.fail_creates:
@@ -171,7 +175,9 @@ class FakeNodeAgent:
         self._created_files[sid] = dict(files)
         return info
 
-    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None) -> SandboxInfo:
+    async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
+                    fence: int | None = None) -> SandboxInfo:
+        self.fence.check(fence, f"handing over {sandbox_id}")
         info = self._get(sandbox_id)
         if info.state is not SandboxState.ready:
             raise Conflict(f"sandbox {sandbox_id} is not a free pool member", sandbox_id=sandbox_id)
@@ -198,7 +204,12 @@ class FakeNodeAgent:
                        and all(i.labels.get(k) == v for k, v in (labels or {}).items())),
                       key=lambda i: i.created_at)
 
-    async def destroy(self, sandbox_id: str) -> None:
+    async def raise_fence(self, token: int) -> int:
+        self.fence.check(token, "a new scheduler leader")
+        return self.fence.highest
+
+    async def destroy(self, sandbox_id: str, *, fence: int | None = None) -> None:
+        self.fence.check(fence, f"destroying {sandbox_id}")
         if sandbox_id in self.destroyed and sandbox_id not in self.sandboxes:
             return  # like the real node: destroying a destroyed sandbox is a no-op
         self._get(sandbox_id)
