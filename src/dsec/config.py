@@ -141,6 +141,9 @@ class Settings(BaseSettings):
     cluster_heartbeat_timeout_s: float = Field(2.0, gt=0, description="Longest wait for one heartbeat answer; a slower answer counts as missed")
     cluster_node_lost_after_s: float = Field(5.0, gt=0, description="A node with no good heartbeat for this long (or whose Ray node died) is lost: its sandboxes answer 410")
     cluster_restore_lost: bool = Field(True, description="Restore a lost node's checkpointed sandboxes on other nodes (latest checkpoint, same sandbox id)")
+    cluster_data_direct: bool = Field(True, description="Node agents also serve node calls on a direct token-authenticated TCP endpoint (no Ray hop per exec/file call); off: every call goes through Ray")
+    cluster_data_max_frame_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024, description="Largest frame on the direct data path; larger calls go through Ray")
+    cluster_data_read_timeout_s: float = Field(10.0, gt=0, description="Direct data path: a frame (or the handshake) must arrive in full within this once begun")
     cluster_demand_min_age_s: float = Field(1.0, ge=0, description="A create queued this long counts as pending demand the cluster cannot place (GET /v1/scheduler pending_demand, metrics)")
 
     # --- images (SPEC §2) ------------------------------------------------------------

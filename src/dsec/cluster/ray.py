@@ -15,16 +15,33 @@ Layout on a Ray cluster:
 - ``RayNodeProxy`` implements ``dsec.node.api.NodeAgent`` over the actor handle, so the
   scheduler driver and the API service use a remote node exactly like a local one.
 
-Wire: arguments and results are the protocol's pydantic models (Ray pickles them).
-Errors travel as a ``NodeCallError`` value, not as a raised exception, because Ray
-wraps raised exceptions in ``RayTaskError`` (losing ``DSecError.details`` and the
-class the API maps to an HTTP status); the proxy re-raises the same ``dsec.errors``
-class. ``exec_stream`` is a pull loop (``stream_open`` / ``stream_next``, each call
-returns every event ready, waiting for at least one), which keeps the protocol's
+Two transports, one protocol:
+
+- **Direct data path** (``dsec.cluster.dataplane``), used for every ``NodeAgent`` call and
+  ``exec_stream`` when the agent serves it (``cluster_data_direct``, default on): the
+  actor also listens on its Ray node's address (ephemeral port) and hands the proxy its
+  endpoint and a random per-process token through Ray (``data_endpoint``, fetched in
+  ``start()``). The proxy keeps one authenticated connection per node and event loop and
+  multiplexes calls over it with request ids: JSON frames of the protocol's pydantic models
+  (no pickle), bounded frame sizes, timed-out partial reads, credit-based back-pressure for
+  streams. A call larger than a frame goes through Ray; a result larger than a frame is
+  kept on the node and fetched once through Ray (``take_result``).
+- **Ray actor calls** for control (``start``, ``close``, ``pid``, the heartbeat ``probe``,
+  endpoint discovery) and as the fallback (no endpoint). Arguments and results are the
+  protocol's models (Ray pickles them).
+
+Errors travel as a ``NodeCallError`` value on both paths (not as a raised exception: Ray
+wraps those in ``RayTaskError``, losing ``DSecError.details`` and the class the API maps
+to an HTTP status); the proxy re-raises the same ``dsec.errors`` class with the same
+details. Node loss: ``mark_lost`` fails calls in flight on either path with NodeLost at
+once; a dead endpoint (agent killed: connection reset or refused) is NodeLost too, and the
+proxy asks Ray for the endpoint again (a restarted agent has a new port and token).
+On the Ray path ``exec_stream`` is a pull loop (``stream_open`` / ``stream_next``, each
+call returns every event ready, waiting for at least one), which keeps the protocol's
 back-pressure: the node only runs ahead of the reader by what one pull carries.
 
-Cost: one proxied call is one actor round trip (~2-3 ms on one box; see
-tests/integration/cluster for the measured exec figures).
+Cost (this 2-core box): one Ray actor round trip ~2.3 ms; one direct call ~0.3-0.5 ms.
+Measured exec figures: docs/cluster.md ("Data path").
 """
 
 from __future__ import annotations
@@ -33,14 +50,20 @@ import asyncio
 import logging
 import os
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel
-
 from dsec import errors
+from dsec.cluster.dataplane import ERR as _ERR
+from dsec.cluster.dataplane import OK as _OK
+from dsec.cluster.dataplane import DataClient, DataEndpoint, DataServer, NodeCallError, Refused, codec
+from dsec.cluster.dataplane import frame_size as _frame_size
 from dsec.models import ExecRequest, SandboxSpec
 from dsec.node.api import NODE_METHODS, ExecEvent, NodeCapacity
+
+__all__ = ["NodeAgentServer", "NodeCallError", "RayNodeProxy", "connect", "dsec_nodes", "ensure_agent",
+           "ensure_agents", "get_agent", "node_resource", "parse_address"]
 
 log = logging.getLogger("dsec.cluster")
 
@@ -71,30 +94,6 @@ def parse_address(address: str) -> str:
     return addr
 
 
-class NodeCallError(BaseModel):
-    """A DSecError (or any failure) of a remote node call, as a value."""
-
-    cls: str
-    message: str
-    details: dict[str, Any] = {}
-
-    @classmethod
-    def of(cls, e: BaseException) -> NodeCallError:
-        if isinstance(e, errors.DSecError):
-            return cls(cls=type(e).__name__, message=e.message, details=_plain(e.details))
-        return cls(cls="SandboxFailure", message=f"node agent error: {type(e).__name__}: {e}")
-
-    def error(self) -> errors.DSecError:
-        kind = getattr(errors, self.cls, None)
-        if not (isinstance(kind, type) and issubclass(kind, errors.DSecError)):
-            kind = errors.SandboxFailure
-        return kind(self.message, **self.details)
-
-
-def _plain(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (str, int, float, bool, type(None), list, dict)) else str(v) for k, v in d.items()}
-
-
 class NodeAgentServer:
     """What runs inside the actor: a node agent (real or fake) behind a generic dispatcher.
 
@@ -105,6 +104,7 @@ class NodeAgentServer:
         from dsec.config import load_settings
 
         settings = load_settings(**(overrides or {}))
+        self.settings = settings
         if kind == "local":
             from dsec.node.agent import LocalNodeAgent
             self.agent: Any = LocalNodeAgent(settings)
@@ -116,6 +116,45 @@ class NodeAgentServer:
         self._started = False
         self._start_lock = asyncio.Lock()
         self._streams: dict[str, tuple[asyncio.Queue[ExecEvent | NodeCallError | None], asyncio.Task[None]]] = {}
+        self._data: DataServer | None = None
+        self._endpoint: DataEndpoint | None = None
+
+    async def data_endpoint(self, host: str | None = None) -> DataEndpoint | None:
+        """The direct data endpoint of this agent (started on first ask, on this node's
+        address; ``None`` when ``cluster_data_direct`` is off or it cannot listen): the
+        proxy's fast path. Its token is new with every agent process."""
+        if not self.settings.cluster_data_direct:
+            return None
+        if not self._started:
+            await self.start()
+        if self._endpoint is None:
+            async with self._start_lock:
+                if self._endpoint is None:
+                    server = DataServer(self.call, self._open_stream, NODE_METHODS,
+                                        self.settings.cluster_data_max_frame_bytes,
+                                        self.settings.cluster_data_read_timeout_s)
+                    try:
+                        self._endpoint = await server.start(host or _node_ip())
+                    except OSError as e:  # the Ray path still works
+                        log.warning("node %s: no direct data endpoint (%s); node calls go through Ray",
+                                    self.settings.node_id, e)
+                        return None
+                    self._data = server
+        return self._endpoint
+
+    async def take_result(self, key: str) -> Any:
+        """A direct call's result too large for a frame, fetched once through Ray."""
+        try:
+            if self._data is None:
+                raise errors.NotFound(f"no pending result {key!r}: the data endpoint is not running")
+            return self._data.take(key)
+        except errors.DSecError as e:
+            return NodeCallError.of(e)
+
+    async def _open_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        if not self._started:
+            await self.start()
+        return self.agent.exec_stream(sandbox_id, req)  # type: ignore[no-any-return]
 
     async def start(self) -> NodeCapacity:
         async with self._start_lock:
@@ -129,6 +168,9 @@ class NodeAgentServer:
         for _, task in self._streams.values():
             task.cancel()
         self._streams.clear()
+        if self._data is not None:  # proxies see their connection drop and ask for the new endpoint
+            await self._data.close()
+            self._data, self._endpoint = None, None
         if self._started:
             await self.agent.close()
             self._started = False
@@ -180,6 +222,41 @@ class NodeAgentServer:
         entry = self._streams.pop(stream_id, None)
         if entry is not None:
             entry[1].cancel()
+
+
+def _node_ip() -> str:
+    """This Ray node's address (``--node-ip-address``: 127.0.0.x under `dsec cluster up`);
+    loopback outside Ray (in-process tests)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "127.0.0.1"
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
+class LocalHandle:
+    """An actor handle over an in-process ``NodeAgentServer`` (``handle.m.remote(...)`` is
+    the awaitable call): the proxy and its direct data path without Ray, for tests."""
+
+    class _Method:
+        def __init__(self, fn: Any) -> None:
+            self.fn = fn
+
+        def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+            """Started at once, like a Ray call (fire-and-forget calls run too)."""
+            out = self.fn(*args, **kwargs)
+            if asyncio.iscoroutine(out):
+                return asyncio.ensure_future(out)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(out)
+            return fut
+
+    def __init__(self, server: NodeAgentServer) -> None:
+        self.server = server
+
+    def __getattr__(self, name: str) -> Any:
+        return LocalHandle._Method(getattr(self.server, name))
 
 
 _ACTOR: Any = None
@@ -276,7 +353,7 @@ async def ensure_agents(kind: str = "local", overrides: dict[str, Any] | None = 
 class RayNodeProxy:
     """``NodeAgent`` over a node agent actor (see module docstring)."""
 
-    def __init__(self, node_id: str, handle: Any, control_timeout_s: float = 60.0) -> None:
+    def __init__(self, node_id: str, handle: Any, control_timeout_s: float = 60.0, direct: bool = True) -> None:
         self.node_id = node_id
         self.handle = handle
         self.control_timeout_s = control_timeout_s
@@ -286,14 +363,76 @@ class RayNodeProxy:
         # raylet that will never answer (Ray itself notices a dead node after ~30 s).
         self.lost = False
         self._lost_fut: asyncio.Future[None] | None = None
+        # The direct data path (dsec.cluster.dataplane): off when ``direct`` is False or the
+        # agent serves no endpoint; then every call is one Ray round trip.
+        self.direct = direct
+        self._endpoint: DataEndpoint | None = None
+        self._no_endpoint = False
+        self._client: DataClient | None = None
+        self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self.stats = {"direct": 0, "ray": 0}  # protocol calls per transport
 
     async def start(self) -> None:
-        """Start the remote agent (reconcile there) and cache its capacity."""
+        """Start the remote agent (reconcile there) and cache its capacity (and the data
+        endpoint, fetched alongside: no extra round trip before the first call)."""
+        async def endpoint() -> None:
+            if self.direct:
+                self._set_endpoint(await self._await(self.handle.data_endpoint.remote()))
+
         try:
-            self._capacity = await asyncio.wait_for(self._await(self.handle.start.remote()), self.control_timeout_s)
+            self._capacity, _ = await asyncio.wait_for(
+                asyncio.gather(self._await(self.handle.start.remote()), endpoint()), self.control_timeout_s)
         except TimeoutError:
             raise errors.Timeout(f"node {self.node_id}: its agent did not start within "
                                  f"{self.control_timeout_s:g}s", node=self.node_id) from None
+
+    def _set_endpoint(self, ep: DataEndpoint | None) -> None:
+        self._endpoint = ep
+        self._no_endpoint = ep is None
+
+    def _conn_lost(self, reason: str) -> errors.DSecError:
+        if self.lost:
+            return self._lost_error()
+        return errors.NodeLost(f"node {self.node_id} does not answer ({reason}): its sandboxes are unreachable "
+                               "now; retry, create a new sandbox or restore a checkpoint", node=self.node_id)
+
+    async def _data_client(self) -> DataClient | None:
+        """The live direct connection of this event loop, (re)connected on demand; None:
+        use Ray. A refused or dead endpoint is asked again through Ray once (the agent may
+        have been restarted with a new endpoint and token), then it is NodeLost."""
+        c = self._client
+        loop = asyncio.get_running_loop()
+        if c is not None and c.alive and c.loop is loop:
+            return c
+        if not self.direct or self._no_endpoint:
+            return None
+        if self._connect_lock is None or self._connect_lock[0] is not loop:
+            self._connect_lock = (loop, asyncio.Lock())
+        async with self._connect_lock[1]:  # one connect for every caller waiting on it
+            c = self._client
+            if c is not None and c.alive and c.loop is loop:
+                return c
+            self._client = None
+            last: BaseException | None = None
+            for fresh in (False, True):
+                if fresh or self._endpoint is None:
+                    self._set_endpoint(await self._await(self.handle.data_endpoint.remote()))
+                    if self._endpoint is None:
+                        return None
+                assert self._endpoint is not None
+                c = DataClient(self._endpoint, self._conn_lost)
+                try:
+                    await c.connect(min(self.control_timeout_s, self._endpoint.read_timeout_s))
+                except (OSError, TimeoutError, Refused) as e:
+                    last = e
+                    continue
+                if self.lost:
+                    c.close()
+                    raise self._lost_error()
+                self._client = c
+                return c
+            raise self._conn_lost(f"data endpoint {self._endpoint.host if self._endpoint else '?'}: "
+                                  f"{type(last).__name__}: {last}")
 
     def _lost_error(self) -> errors.NodeLost:
         return errors.NodeLost(f"node {self.node_id} lost (no heartbeat): its sandboxes are unreachable; create "
@@ -304,6 +443,9 @@ class RayNodeProxy:
         self.lost = True
         if self._lost_fut is not None and not self._lost_fut.done():
             self._lost_fut.set_result(None)
+        if self._client is not None:
+            self._client.abort("lost")  # direct calls in flight end now too (as _lost_error)
+            self._client = None
 
     def mark_back(self) -> None:
         self.lost = False
@@ -358,7 +500,10 @@ class RayNodeProxy:
         return call.result()
 
     async def close(self) -> None:
-        """Nothing to do here: the agent is detached and keeps serving other callers."""
+        """Drop the direct connection; the agent is detached and keeps serving other callers."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     async def shutdown(self) -> None:
         """Stop the remote agent's loops (``dsec cluster down``); sandboxes are not destroyed."""
@@ -373,12 +518,53 @@ class RayNodeProxy:
         return self._capacity
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.lost:
+            raise self._lost_error()
+        c = await self._data_client()
+        if c is not None:
+            cd = codec(method)
+            try:
+                body = cd.encode_args(args, kwargs)
+            except (TypeError, ValueError) as e:
+                raise errors.InvalidArgument(f"node call {method}: {e}") from None
+            if _frame_size(method, len(body)) <= c.ep.max_frame:  # larger: through Ray
+                self.stats["direct"] += 1
+                kind, data = await c.call(method, body)
+                if kind == _OK:
+                    return cd.decode_result(data)
+                if kind == _ERR:
+                    raise NodeCallError.model_validate_json(data).error()
+                out = await self._await(self.handle.take_result.remote(data.decode()))  # VIA_RAY: too large
+                if isinstance(out, NodeCallError):
+                    raise out.error()
+                return out
+        self.stats["ray"] += 1
         out = await self._await(self.handle.call.remote(method, args, kwargs))
         if isinstance(out, NodeCallError):
             raise out.error()
         return out
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        if self.lost:
+            raise self._lost_error()
+        c = await self._data_client()
+        if c is None:
+            async for ev in self._ray_exec_stream(sandbox_id, req):
+                yield ev
+            return
+        cd = codec("exec_stream")
+        self.stats["direct"] += 1
+        events = c.stream("exec_stream", cd.encode_args((sandbox_id, req), {}))
+        try:
+            async for kind, data in events:
+                if kind == _ERR:
+                    raise NodeCallError.model_validate_json(data).error()
+                yield cd.decode_result(data)
+        finally:
+            await events.aclose()  # an early exit cancels the stream on the node
+
+    async def _ray_exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        self.stats["ray"] += 1
         sid = await self._await(self.handle.stream_open.remote(sandbox_id, req))
         done = False
         try:
@@ -394,7 +580,7 @@ class RayNodeProxy:
             if not done:
                 self.handle.stream_close.remote(sid)
 
-    # The protocol's request/response methods, each one actor round trip.
+    # The protocol's request/response methods: direct when the endpoint answers, else one actor round trip.
     async def usage(self) -> Any:
         return await self._call("usage")
 

@@ -3,10 +3,14 @@
 - ``fake``: ``dsec.testing.FakeNodeAgent`` (in memory; no root).
 - ``router``: ``dsec.cluster.router.ClusterRouter`` over two fakes sharing a checkpoint
   store (what the API service talks to on a cluster).
+- ``wire``: ``RayNodeProxy`` over the fake inside an in-process ``NodeAgentServer``
+  (``LocalHandle``, no Ray): every call crosses the direct data path (TCP on loopback,
+  JSON frames), so each method's arguments, results and errors survive that wire.
 - ``local``: the real ``LocalNodeAgent`` in this process (real runc, overlayfs; integration).
 - ``ray``: the same real agent inside its Ray actor on a one-node Ray cluster that this
   session starts with ``dsec.cluster.local.up`` (own temp dir and ports, tracked by PID)
-  and stops with ``down``, reached through ``RayNodeProxy`` (integration).
+  and stops with ``down``, reached through ``RayNodeProxy`` (integration): node calls take
+  the agent's direct data endpoint (the fixture checks no call fell back to Ray).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import pytest
 from dsec.config import load_settings
 from dsec.testing import FakeNodeAgent
 
-IMPLS = ["fake", "router", pytest.param("local", marks=pytest.mark.integration),
+IMPLS = ["fake", "router", "wire", pytest.param("local", marks=pytest.mark.integration),
          pytest.param("ray", marks=pytest.mark.integration)]
 
 
@@ -101,6 +105,19 @@ async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
             await n.close()
             shutil.rmtree(n.settings.runtime_dir, ignore_errors=True)
         return
+    if request.param == "wire":
+        from dsec.cluster.ray import LocalHandle, NodeAgentServer, RayNodeProxy
+
+        server = NodeAgentServer("fake", {"home": tmp_path, "node_id": "fake-node"})
+        n = RayNodeProxy("fake-node", LocalHandle(server))
+        await n.start()
+        try:
+            yield n
+            assert n.stats["ray"] == 0 and n.stats["direct"] > 0, n.stats
+        finally:
+            await n.close()
+            await server.close()
+        return
     from dsec.cluster.ray import RayNodeProxy, get_agent
 
     request.getfixturevalue("ray_cluster")
@@ -108,5 +125,7 @@ async def node(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     await n.start()
     try:
         yield n
+        assert n.stats["ray"] == 0 and n.stats["direct"] > 0, n.stats  # the direct data path was used
     finally:
         await _cleanup(n)
+        await n.close()
