@@ -8,6 +8,8 @@ fakes, so a paused or skewed leader that still *believes* it leads can be staged
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from dsec import errors
@@ -35,9 +37,10 @@ def _settings() -> Settings:
     return Settings(batch_window_s=0.01, scheduler_lease_ttl_s=TTL, scheduler_lease_renew_s=0.5)
 
 
-async def _server(store: StateStore, node: FakeNodeAgent, clock: Clock, url: str) -> SchedulerDriver:
+async def _server(store: StateStore, node: FakeNodeAgent, clock: Clock, url: str,
+                  pools: bool = False) -> SchedulerDriver:
     s = _settings()
-    d = SchedulerDriver(Scheduler(s, pools=False), {node.node_id: node}, s)
+    d = SchedulerDriver(Scheduler(s, pools=pools), {node.node_id: node}, s)
     d.attach_leader(LeaderElector(store, s, solo=False, clock=clock), None)
     await d.start()
     d.leader.holder = url  # type: ignore[union-attr]
@@ -130,3 +133,70 @@ def test_lease_decisions_are_pure() -> None:
     old = Lease(name="scheduler", holder="x", token=4, expires_at=50.0)
     assert solo_start_time(10.0, old, "me") == pytest.approx(50.001)
     assert solo_start_time(10.0, old, "x") == 10.0 and solo_start_time(10.0, None, "me") == 10.0
+
+
+async def test_control_records_outlive_the_leader(store: StateStore) -> None:
+    """What a new leader cannot learn from the nodes comes from the state store: an owner
+    heartbeating through a follower is not reaped by the leader; an owner released through
+    a follower has its sandboxes reaped by the leader; a pool floor set on one server is
+    applied by a leader elected later. (Before: all three lived in one process's memory.)"""
+    from dsec.control.book import ControlBook
+    from dsec.control.convert import lease_key
+
+    node = FakeNodeAgent(node_id="n0", isolation=("container",))
+    ca, cb = Clock(), Clock()
+    a = await _server(store, node, ca, "http://a")
+    b = await _server(store, node, cb, "http://b", pools=True)
+    a.book, b.book = ControlBook(store), ControlBook(store)
+    try:
+        owner = lease_key("t1", "run-1")
+        await a.place_here(_spec("r1").model_copy(update={"owner": "run-1"}), "sb-o1", "t1")
+        assert a.sched.owned_by(owner) == ["sb-o1"]
+        b.heartbeat(owner)  # reaches the follower only
+        await asyncio.sleep(0.05)  # the follower's write is spawned
+        a.sched.leases[owner].last_heartbeat = a.clock() - 1e6  # the leader itself heard nothing for ages
+        await a._sync_book()
+        assert a.clock() - a.sched.leases[owner].last_heartbeat < 60  # the follower's heartbeat counts
+        assert not [d for d in a.sched.reap(a.clock()) if d.sandbox_id == "sb-o1"]
+
+        assert await b.release_owner(owner) == []  # a follower leaves the reaping to the leader
+        await a._sync_book()
+        assert "sb-o1" not in node.sandboxes and not await a.book.owners()
+
+        floor = SandboxSpec(image="busybox", cpu=0.5, memory="256M", disk="1G")
+        b.set_pool(floor, 2)  # on the follower
+        await asyncio.sleep(0.05)
+        c = await _server(store, node, Clock(cb.t), "http://c", pools=True)  # a later server
+        c.book = ControlBook(store)
+        try:
+            await c._sync_book()
+            assert 2 in c.sched.pools.demand.floors.values()  # type: ignore[union-attr]
+        finally:
+            await c.close()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_new_leader_queues_recorded_preemptions_again(store: StateStore) -> None:
+    """A victim the previous leader checkpointed and stopped (its record in the store) is
+    still answered as preempted by the new leader, which queues its resumption again."""
+    from dsec.control.book import ControlBook, PreemptedDoc
+
+    book = ControlBook(store)
+    await book.preempted("sb-victim", PreemptedDoc(tenant="t1", checkpoint_id="ck-1",
+                                                   spec=SandboxSpec(image="busybox", cpu=0.5, memory="256M")))
+    node = FakeNodeAgent(node_id="n0", isolation=("container",))
+    s = _settings()
+    d = SchedulerDriver(Scheduler(s, pools=False), {"n0": node}, s)
+    d.book = ControlBook(store)
+    d.attach_leader(LeaderElector(store, s, solo=False, clock=Clock()), None)
+    await d.start()
+    try:
+        d.leader.holder = "http://new"  # type: ignore[union-attr]
+        await d.leader.step()  # type: ignore[union-attr]
+        assert d.preempted("sb-victim") is not None
+        assert [r.resume_of for r in d.sched.pending.values()] == ["sb-victim"]
+        assert await d.forget_preempted("sb-victim") and not await book.all_preempted()
+    finally:
+        await d.close()
