@@ -42,7 +42,6 @@ from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
 from dsec.errors import (
-    Conflict,
     Forbidden,
     ImageError,
     InvalidArgument,
@@ -501,10 +500,20 @@ class SchedulerDriver:
             raise NotFound(f"sandbox {sandbox_id!r} is not known to the scheduler")
         cpu = await self._cpu_used(r.node_id, r)
         agent = self.agents[r.node_id]
-        recycle = getattr(agent, "recycle", None) if self.s.warm_pool_recycle else None
-        pool_req = self.sched.recycle(sandbox_id, self.clock(), cpu_peak=cpu) if recycle is not None else None
+        start = getattr(agent, "start_recycle", None) if self.s.warm_pool_recycle else None
+        pool_req = self.sched.recycle(sandbox_id, self.clock(), cpu_peak=cpu) if start is not None else None
         if pool_req is not None:
-            await self._recycle(agent, recycle, sandbox_id, pool_req)  # type: ignore[misc]
+            # The node retires the id before this returns; the reset runs after the user's
+            # kill has been answered (off the hot path), the member is ready when it is done.
+            try:
+                done = await start(sandbox_id, pool_member_spec(pool_req))
+            except Exception as e:  # noqa: BLE001 - Conflict: not like a fresh member (or gone): destroy as usual
+                self.sched.on_failed(pool_req.request_id, self.clock(), str(e), retriable=False)
+                self._wake.set()
+                if not isinstance(e, NotFound):
+                    await agent.destroy(sandbox_id)
+                return
+            self._spawn(self._recycled(sandbox_id, pool_req, done))
             return
         try:
             await agent.destroy(sandbox_id)
@@ -512,26 +521,17 @@ class SchedulerDriver:
             self.sched.on_released(sandbox_id, self.clock(), cpu_peak=cpu)
             self._wake.set()
 
-    async def _recycle(self, agent: NodeAgent, recycle: Callable[[str, SandboxSpec], Awaitable[SandboxInfo]],
-                       sandbox_id: str, req: Request) -> None:
-        """The user is done with ``sandbox_id`` and its shape's pool wants a member: the node
-        resets it under a new id (``LocalNodeAgent.recycle``; no teardown, no cold refill).
-        The scheduler already moved its allocation to the pool request ``req``. A sandbox
-        the node refuses (Conflict: not like a fresh pool member) is destroyed as usual."""
+    async def _recycled(self, sandbox_id: str, req: Request, done: Awaitable[SandboxInfo]) -> None:
+        """A recycle the node is finishing: the new member joins the pool, or (the node tore
+        it down) the pool request fails and the pool builder makes another."""
         try:
-            info = await recycle(sandbox_id, pool_member_spec(req))
-        except Conflict as e:
-            self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
-            await agent.destroy(sandbox_id)
-        except Exception as e:  # the node tore it down (or it was gone already)
-            self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
+            info = await done
+        except Exception as e:  # noqa: BLE001 - the node has already cleaned up
             log.warning("recycling %s failed: %s", sandbox_id, e)
-            if not isinstance(e, (NotFound, SandboxFailure)):
-                raise
+            self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
         else:
             self.sched.on_created(req.request_id, info.id, self.clock())
-        finally:
-            self._wake.set()
+        self._wake.set()
 
     async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
         """A task-typed sandbox's mean CPU use, read just before it goes (right-sizing)."""

@@ -266,11 +266,16 @@ class LocalNodeAgent:
 
     async def recycle(self, sandbox_id: str, spec: SandboxSpec) -> SandboxInfo:
         """Destroy for the user, but keep the kernel sandbox as a fresh ``ready`` pool member
-        of ``spec`` under a new id (SandboxManager.recycle). Conflict when it does not
+        of ``spec`` under a new id (SandboxManager.start_recycle). Conflict when it does not
         qualify (nothing changed: destroy it instead); SandboxFailure when recycling
         failed (it is gone then)."""
+        return await (await self.start_recycle(sandbox_id, spec))
+
+    async def start_recycle(self, sandbox_id: str, spec: SandboxSpec) -> asyncio.Future[SandboxInfo]:
+        """``recycle`` in two parts: returns once the old id is retired (Conflict if it does
+        not qualify); the returned future completes with the new member."""
         self._cpu_base.pop(sandbox_id, None)
-        return await self.manager.recycle(sandbox_id, spec)
+        return self.manager.start_recycle(sandbox_id, spec)
 
     async def cpu_used(self, sandbox_id: str) -> float | None:
         """Average CPUs the sandbox kept busy since it was handed out (right-sizing input);

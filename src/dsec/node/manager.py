@@ -73,6 +73,7 @@ class SandboxManager:
         self.on_state_change: list[Callable[[SandboxInfo], None]] = []
         self._lowers: dict[str, list[str]] = {}  # sandbox -> overlay lower dirs (for reset)
         self._reset_locks: dict[str, asyncio.Lock] = {}
+        self._recycling: set[str] = set()  # old ids of recycles in flight (start_recycle)
         self._layer_pins: dict[str, int] = {}  # frozen clone layers being made or handed to creates
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
@@ -316,8 +317,8 @@ class SandboxManager:
 
     async def destroy(self, sandbox_id: str, reason: str = "killed") -> None:
         rec = self.get_record(sandbox_id)
-        if rec.info.state in (S.stopped, S.destroyed):
-            return
+        if rec.info.state in (S.stopped, S.destroyed) or sandbox_id in self._recycling:
+            return  # gone, or retired by a recycle whose resources now belong to the new id
         if rec.info.state is not S.stopping:
             self._set_state(rec, S.stopping, error=rec.info.error or (None if reason == "killed" else reason))
         await self._teardown(rec)
@@ -427,13 +428,19 @@ class SandboxManager:
         return None
 
     async def recycle(self, sandbox_id: str, spec: SandboxSpec) -> SandboxInfo:
+        """``start_recycle`` and wait for it."""
+        return await self.start_recycle(sandbox_id, spec)
+
+    def start_recycle(self, sandbox_id: str, spec: SandboxSpec) -> asyncio.Task[SandboxInfo]:
         """Turn a sandbox its user is done with into a fresh warm-pool member of ``spec``
         (state ``ready``) under a NEW id, instead of destroying it: processes killed, root,
         /dev, /tmp, SysV IPC, background table, env and labels back to a fresh create of
-        ``spec``, cgroups renamed with zeroed counters, hostname = the new id. The old id is
-        retired at once (before the first await): every later call naming it gets a
-        Conflict/NotFound. On any failure both ids are torn down and SandboxFailure raised.
-        Raises Conflict (nothing changed) when the sandbox does not qualify (``recyclable``)."""
+        ``spec``, cgroups renamed with zeroed counters, hostname = the new id.
+
+        Synchronous part (before this returns): the checks, and the old id is retired:
+        every later call naming it gets a Conflict/NotFound. Raises Conflict (nothing
+        changed) when the sandbox does not qualify (``recyclable``). The returned task does
+        the rest; on any failure it tears both ids down and raises SandboxFailure."""
         from dsec.node import reset as rs
         from dsec.runtime.agent_client import agent_clear_background, agent_forget
 
@@ -448,6 +455,7 @@ class SandboxManager:
         r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
         nid = new_sandbox_id()
         self._set_state(old, S.stopping, error="recycled")  # retired: no call reaches it from here
+        self._recycling.add(sandbox_id)
         now = time.time()
         new = SandboxRecord(info=SandboxInfo(
             id=nid, state=S.creating, image=spec.image, image_id=image.id, isolation="container", cpu=info.cpu,
@@ -465,45 +473,56 @@ class SandboxManager:
                 log.exception("before_teardown hook failed for %s", sandbox_id)
         agent_forget(po.socket)
         lowers = self._lowers.pop(sandbox_id)
-        try:
-            # The new id's lease on the image's objects (what Snapshotter.prepare takes; the
-            # layers are already there, so no prepare: its upper/work dirs would be thrown away).
-            objects = [image.id] + [li.digest for li in image.layers] + [li.diff_id for li in image.layers]
-            await asyncio.to_thread(self.images.touch, image.id, [li.diff_id for li in image.layers], nid, objects)
+        # The new id's lease on the image's objects (what Snapshotter.prepare takes; the
+        # layers are already there, so no prepare: its upper/work dirs would be thrown away).
+        objects = [image.id] + [li.digest for li in image.layers] + [li.diff_id for li in image.layers]
+
+        def step() -> dict[str, float]:  # one hop to a reset worker for all blocking work
+            self.images.touch(image.id, [li.diff_id for li in image.layers], nid, objects)
             try:
-                def step() -> dict[str, float]:
-                    rs.kill_all_but_init(CGROUP_PARENT, sandbox_id, info.pid)  # type: ignore[arg-type]
-                    rs.rename_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
-                    rs.rename_paths((po.base, po.socket, rt.state_root / sandbox_id),
-                                    (pn.base, pn.socket, rt.state_root / nid))
-                    return rs.reset_container(
-                        sandbox_id=nid, init_pid=info.pid, rootfs=pn.rootfs,  # type: ignore[arg-type]
-                        scratch=pn.scratch, lower_dirs=lowers, disk=info.disk, workdir=r.workdir, hosts=None,
-                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids), hostname=nid)
+                rs.kill_all_but_init(CGROUP_PARENT, sandbox_id, info.pid)  # type: ignore[arg-type]
+                rs.rename_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
+                rs.rename_paths((po.base, po.socket, rt.state_root / sandbox_id),
+                                (pn.base, pn.socket, rt.state_root / nid))
+                return rs.reset_container(
+                    sandbox_id=nid, init_pid=info.pid, rootfs=pn.rootfs,  # type: ignore[arg-type]
+                    scratch=pn.scratch, lower_dirs=lowers, disk=info.disk, workdir=r.workdir, hosts=None,
+                    cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids), hostname=nid)
+            finally:
+                self.snapshotter.release(sandbox_id)
+
+        async def rest() -> SandboxInfo:
+            try:
+                return await work()
+            finally:
+                self._recycling.discard(sandbox_id)
+
+        async def work() -> SandboxInfo:
+            try:
                 times = await asyncio.get_running_loop().run_in_executor(rs.executor(), step)
                 await agent_clear_background(pn.socket)
-            finally:
-                await asyncio.to_thread(self.snapshotter.release, sandbox_id)
-        except BaseException as e:
-            reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
-            log.warning("recycling %s failed (%s): tearing it down", sandbox_id, reason)
-            self._set_state(new, S.failed, error=f"recycle of {sandbox_id} failed: {reason}")
-            for rec in (old, new):
-                try:
-                    await self._teardown(rec)
-                except SandboxFailure:
-                    log.exception("cleanup after a failed recycle of %s", sandbox_id)
-            raise SandboxFailure(f"sandbox {sandbox_id} could not be recycled: {reason}",
-                                 sandbox_id=sandbox_id) from e
-        self._lowers[nid] = lowers
-        self.live.pop(sandbox_id, None)
-        self.active_execs.pop(sandbox_id, None)
-        self._reset_locks.pop(sandbox_id, None)
-        self._set_state(old, S.stopped, pid=None)
-        self._set_state(new, S.ready, pid=info.pid)
-        self.counters["recycled"] = self.counters.get("recycled", 0) + 1
-        log.debug("recycled %s as %s: %s", sandbox_id, nid, times)
-        return self.info(new)
+            except BaseException as e:
+                reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
+                log.warning("recycling %s failed (%s): tearing it down", sandbox_id, reason)
+                self._set_state(new, S.failed, error=f"recycle of {sandbox_id} failed: {reason}")
+                for rec in (old, new):
+                    try:
+                        await self._teardown(rec)
+                    except SandboxFailure:
+                        log.exception("cleanup after a failed recycle of %s", sandbox_id)
+                raise SandboxFailure(f"sandbox {sandbox_id} could not be recycled: {reason}",
+                                     sandbox_id=sandbox_id) from e
+            self._lowers[nid] = lowers
+            self.live.pop(sandbox_id, None)
+            self.active_execs.pop(sandbox_id, None)
+            self._reset_locks.pop(sandbox_id, None)
+            self._set_state(old, S.stopped, pid=None)
+            self._set_state(new, S.ready, pid=info.pid)
+            self.counters["recycled"] = self.counters.get("recycled", 0) + 1
+            log.debug("recycled %s as %s: %s", sandbox_id, nid, times)
+            return self.info(new)
+
+        return asyncio.ensure_future(rest())
 
     async def _remake(self, rec: SandboxRecord) -> None:
         """Slow reset: release the kernel resources and build the sandbox again under the

@@ -47,7 +47,8 @@ def _limits(sid: str) -> dict[str, str]:
 async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node):
     """A hostile tenant's processes, files, env, background table and cgroup counters do
     not reach the next tenant of the recycled sandbox; the old id is retired at once;
-    limits and device rules are those of a fresh create; destroy leaves nothing of either id."""
+    limits and device rules are those of a fresh create; a repeated kill of the old id while
+    the recycle runs changes nothing; destroy leaves nothing of either id."""
     member = await node.create(POOL, pooled=True)
     alice = await node.claim(member.id, POOL.model_copy(update={"env": {"SECRET": SECRET}, "labels": {"t": "a"}}),
                              "alice")
@@ -60,7 +61,11 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node):
     before, limits = _counters(alice.id), _limits(alice.id)
     assert before["memory/memory.max_usage_in_bytes"] > 40 << 20
 
-    fresh = await node.recycle(alice.id, POOL)
+    done = await node.start_recycle(alice.id, POOL)  # returns once the old id is retired
+    with pytest.raises(DSecError):
+        await sh(node, alice.id, "true")
+    await node.destroy(alice.id)  # a repeated kill while the reset runs: a no-op
+    fresh = await done
     assert fresh.id != alice.id and fresh.state.value == "ready" and fresh.tenant is None
     assert fresh.labels == POOL.labels and fresh.pid == alice.pid  # the same init: recycled in place
     assert (await node.get(alice.id)).state.value == "stopped"
