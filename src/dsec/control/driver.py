@@ -501,12 +501,18 @@ class SchedulerDriver:
         cpu = await self._cpu_used(r.node_id, r)
         agent = self.agents[r.node_id]
         start = getattr(agent, "start_recycle", None) if self.s.warm_pool_recycle else None
+        fence = None
+        if start is not None:
+            try:
+                fence = self._fence()
+            except NotLeader:  # only the leader refills pools: destroy as before
+                start = None
         pool_req = self.sched.recycle(sandbox_id, self.clock(), cpu_peak=cpu) if start is not None else None
         if pool_req is not None:
             # The node retires the id before this returns; the reset runs after the user's
             # kill has been answered (off the hot path), the member is ready when it is done.
             try:
-                done = await start(sandbox_id, pool_member_spec(pool_req))
+                done = await start(sandbox_id, pool_member_spec(pool_req), fence=fence)
             except Exception as e:  # noqa: BLE001 - Conflict: not like a fresh member (or gone): destroy as usual
                 self.sched.on_failed(pool_req.request_id, self.clock(), str(e), retriable=False)
                 self._wake.set()

@@ -271,9 +271,12 @@ class LocalNodeAgent:
         failed (it is gone then)."""
         return await (await self.start_recycle(sandbox_id, spec))
 
-    async def start_recycle(self, sandbox_id: str, spec: SandboxSpec) -> asyncio.Future[SandboxInfo]:
+    async def start_recycle(self, sandbox_id: str, spec: SandboxSpec, *,
+                            fence: int | None = None) -> asyncio.Future[SandboxInfo]:
         """``recycle`` in two parts: returns once the old id is retired (Conflict if it does
-        not qualify); the returned future completes with the new member."""
+        not qualify); the returned future completes with the new member. ``fence``: the
+        scheduler leader's token, as for create and destroy."""
+        self.fence.check(fence, f"recycling {sandbox_id}")
         self._cpu_base.pop(sandbox_id, None)
         return self.manager.start_recycle(sandbox_id, spec)
 
