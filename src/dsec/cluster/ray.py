@@ -51,6 +51,7 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -70,6 +71,7 @@ log = logging.getLogger("dsec.cluster")
 NAMESPACE = "dsec"
 RESOURCE_PREFIX = "dsec_node_"
 ACTOR_PREFIX = "dsec-node-"
+DIRECT_RETRY_S = 30.0  # an unreachable data endpoint (agent alive) is retried after this
 
 
 def node_resource(node_id: str) -> str:
@@ -370,6 +372,7 @@ class RayNodeProxy:
         self._no_endpoint = False
         self._client: DataClient | None = None
         self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._direct_off_until = 0.0  # monotonic: the endpoint was unreachable, use Ray until then
         self.stats = {"direct": 0, "ray": 0}  # protocol calls per transport
 
     async def start(self) -> None:
@@ -398,13 +401,15 @@ class RayNodeProxy:
 
     async def _data_client(self) -> DataClient | None:
         """The live direct connection of this event loop, (re)connected on demand; None:
-        use Ray. A refused or dead endpoint is asked again through Ray once (the agent may
-        have been restarted with a new endpoint and token), then it is NodeLost."""
+        use Ray. A refused or dead endpoint is asked again through Ray (the agent may have
+        been restarted with a new endpoint and token; a dead agent makes that NodeLost). If
+        the agent answers Ray but its endpoint cannot be reached (a firewall between the
+        machines), calls go through Ray for ``DIRECT_RETRY_S`` before the next attempt."""
         c = self._client
         loop = asyncio.get_running_loop()
         if c is not None and c.alive and c.loop is loop:
             return c
-        if not self.direct or self._no_endpoint:
+        if not self.direct or self._no_endpoint or time.monotonic() < self._direct_off_until:
             return None
         if self._connect_lock is None or self._connect_lock[0] is not loop:
             self._connect_lock = (loop, asyncio.Lock())
@@ -431,8 +436,12 @@ class RayNodeProxy:
                     raise self._lost_error()
                 self._client = c
                 return c
-            raise self._conn_lost(f"data endpoint {self._endpoint.host if self._endpoint else '?'}: "
-                                  f"{type(last).__name__}: {last}")
+            self._direct_off_until = time.monotonic() + DIRECT_RETRY_S
+            ep = self._endpoint
+            log.warning("node %s: its agent answers but its data endpoint %s:%s does not (%s: %s); calls go "
+                        "through Ray for %gs", self.node_id, ep and ep.host, ep and ep.port, type(last).__name__,
+                        last, DIRECT_RETRY_S)
+            return None
 
     def _lost_error(self) -> errors.NodeLost:
         return errors.NodeLost(f"node {self.node_id} lost (no heartbeat): its sandboxes are unreachable; create "

@@ -5,6 +5,7 @@ the actor handle), talking TCP on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -236,6 +237,30 @@ async def test_dead_endpoint_is_node_lost_and_a_restarted_agent_is_reached_again
         assert p._endpoint is not None and (p._endpoint.port, p._endpoint.token) != (old.port, old.token)
         assert p.stats["ray"] == 0
         await new.close()
+    finally:
+        await p.close()
+        await srv.close()
+
+
+async def test_unreachable_endpoint_of_a_live_agent_falls_back_to_the_actor(tmp_path: Path) -> None:
+    """An agent that answers Ray but whose endpoint cannot be reached (a firewall between
+    machines) is not a lost node: calls go through the actor, and the proxy does not pay a
+    failed connect on every call."""
+    srv, p = await _proxy(tmp_path)
+    ep = p._endpoint
+    assert ep is not None
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = ep.model_copy(update={"port": s.getsockname()[1]})
+
+    async def elsewhere(host: str | None = None) -> dp.DataEndpoint:
+        return closed
+
+    srv.data_endpoint = elsewhere  # type: ignore[method-assign]
+    p._set_endpoint(closed)
+    try:
+        assert await p.list() == [] and p.stats == {"direct": 0, "ray": 1}
+        assert await asyncio.wait_for(p.list(), 0.5) == [] and p.stats == {"direct": 0, "ray": 2}
     finally:
         await p.close()
         await srv.close()
