@@ -14,14 +14,15 @@ Run: ``dsec bench speed`` or ``python -m dsec.bench.speed [--only gvisor,episode
 
 Where the time goes (py-spy on ``dsec serve``, 2-core VM at load ~8-13, 2026-11-30):
 
-- Short episodes (~10-15/s with 8 workers, every start a warm hand-over): the node's
-  worker threads spend most of their samples in teardown, ``_release_kernel_resources``
-  (~40 % of all samples): ``rmtree`` of the sandbox dir and cgroup ``rmdir`` (kernel
-  cgroup/VFS locks, contended by concurrent creates' mounts), ``umount`` of the overlay
-  and scratch tmpfs, ``wait_gone``. Each episode also triggers a pool refill, i.e. a full
-  cold create (~110-250 ms here: tmpfs + overlay mounts, ``runc run``). 100/s needs
-  episodes to stop paying create + destroy: recycle the sandbox in place (``sb.reset``,
-  ~5 ms) instead of destroy + refill.
+- Short episodes: before recycling (~10-15/s with 8 workers, every start a warm
+  hand-over) ~40 % of the samples were teardown (``_release_kernel_resources``: rmtree,
+  cgroup rmdir, umount) plus a cold refill per episode. Now a killed pool member is
+  recycled (``SandboxManager.start_recycle``: reset in place under a new id, docs/speed.md):
+  the ``episodes`` row runs recycling off first (same run) as its baseline. At load ~100,
+  10.8/s off vs 49.3/s on; with recycling ~58 % of the server's samples are the reset
+  (about a third of it ``umount``: each waits for an RCU grace period, slow under load;
+  a quarter the cgroup rename incl. the v2 move of the init), ~20 % the event loop's
+  HTTP, ~16 % the state store's SQLite writes.
 - Warm hand-over (create call ~5 ms + first exec ~3-4 ms at load ~2): the create is
   HTTP both ways, admission, four state-store hops (request id reserve, owner record,
   then owner + dead id + answer together) and the node's claim (a SQLite record write on

@@ -409,15 +409,32 @@ _ZEROED: tuple[tuple[str, str], ...] = (
     ("memory", "memory.memsw.max_usage_in_bytes"), ("memory", "memory.memsw.failcnt"))
 
 
+_HIERARCHIES: list[tuple[Path, bool]] = []
+
+
+def _hierarchies() -> list[tuple[Path, bool]]:
+    """The mounted cgroup hierarchies and whether each is cgroup v2 (listed once: a
+    recycle's hot path would otherwise stat every one of them per call)."""
+    if not _HIERARCHIES and cgroups.CGROUP_ROOT.is_dir():
+        _HIERARCHIES.extend((h, (h / "cgroup.controllers").exists()) for h in sorted(cgroups.CGROUP_ROOT.iterdir())
+                            if h.is_dir())
+    return _HIERARCHIES
+
+
 def rename_cgroups(parent: str, old_id: str, new_id: str, init_pid: int, timeout: float = 2.0) -> None:
     """Move the sandbox's cgroups (only its init is left in them) to ``new_id`` and zero
     the resettable counters. cgroup v1 renames a populated cgroup in place (limits and
     device rules stay); cgroup v2 cannot rename, so there a new cgroup takes the init and
     the old one is removed (the hybrid unified hierarchy sets no limits here)."""
-    for d in cgroups.sandbox_cgroup_dirs(parent, old_id):
-        new = d.parent / new_id
-        if not (d / "cgroup.controllers").exists():  # a v1 hierarchy
-            os.rename(d, new)
+    for h, v2 in _hierarchies():
+        d, new = h / parent / old_id, h / parent / new_id
+        if not v2:
+            try:
+                os.rename(d, new)
+            except FileNotFoundError:  # no cgroup of this sandbox in this hierarchy
+                pass
+            continue
+        if not d.is_dir():
             continue
         new.mkdir(0o755, exist_ok=True)
         cgroups._write(new / "cgroup.procs", str(init_pid))
