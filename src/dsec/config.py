@@ -173,6 +173,18 @@ class Settings(BaseSettings):
     registry_timeout_s: float = Field(60.0, gt=0, description="Connect/read timeout of one registry HTTP call")
     registry_push_chunk_bytes: int = Field(0, ge=0, description="Push blobs as PATCH chunks this big (0: one PUT)")
     image_pull_on_create: bool = Field(True, description="Creates pull a missing image found in image_registry")
+    registry_insecure: bool = Field(False, description="Pulls on create may use plain http / unverified TLS to image_registry (a registry on a private network)")
+    node_max_concurrent_pulls: int = Field(4, ge=1, description="Blob transfers (registry or peer) one node runs at once, across all its pulls")
+    # --- peer-to-peer layers on a cluster (owner: images; docs/images.md "Across machines") ----
+    p2p_enabled: bool = Field(True, description="Cluster nodes serve their verified blobs to peers and fetch from peers before the registry")
+    p2p_host: str = Field("", description="Address the node's peer blob endpoint binds (empty: the node's Ray address)")
+    p2p_port: int = Field(0, ge=0, lt=65536, description="Port of the node's peer blob endpoint (0: a free one, published in the cluster directory)")
+    p2p_serve_max: int = Field(2, ge=1, description="Blobs a node serves to peers at once (more get 503 and try another holder): the fan-out tree's degree")
+    p2p_tree_wait_s: float = Field(5.0, gt=0, description="In a burst, how long a node waits for a holder that serves fewer than p2p_serve_max peers of a blob before asking a busier one")
+    p2p_wait_s: float = Field(300.0, gt=0, description="Longest a node waits for peers/another node's registry fetch of a layer before fetching it from the registry itself")
+    p2p_claim_stale_s: float = Field(15.0, gt=0, description="A node's registry-fetch claim on a layer with no progress for this long is taken over")
+    p2p_announce_interval_s: float = Field(10.0, gt=0, description="How often a node re-publishes which blobs it holds (also after every pull)")
+    image_gc_cluster_interval_s: float = Field(600.0, gt=0, description="How often a cluster node runs the cluster-wide layer GC decision for its own layers")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")

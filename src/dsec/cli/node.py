@@ -65,13 +65,16 @@ def ls(cluster: str | None = typer.Option(None, "--cluster", help="ray://HEAD:PO
         print_json(rows)
         return
     t = Table(box=None, header_style="bold")
-    for col in ("ID", "ADDRESS", "STATE", "AGENT PID", "SANDBOXES", "CPU ALLOC/BOUND", "MEM ALLOC/BOUND", "IMAGES"):
+    from dsec.cluster.nodes import pulls_text
+
+    for col in ("ID", "ADDRESS", "STATE", "AGENT PID", "SANDBOXES", "CPU ALLOC/BOUND", "MEM ALLOC/BOUND", "IMAGES",
+                "PULLS"):
         t.add_column(col)
     for r in rows:
         t.add_row(r["id"], r["address"], r["state"], str(r["agent_pid"] or "-"), str(r["sandboxes"]),
                   f"{r['cpu_allocated']:g}/{r['cpu_bound']:g}",
                   f"{human_bytes(r['memory_allocated'])}/{human_bytes(r['memory_bound'])}",
-                  ",".join(r["images"]) or "-")
+                  ",".join(r["images"]) or "-", pulls_text(r.get("pulls", [])))
     out.print(t)
 
 

@@ -23,7 +23,14 @@ def row(node_id: str, address: str, alive: bool, health: Any, cap: Any, sandboxe
             "memory_allocated": sum(s.memory for s in sandboxes),
             "memory_bound": int(cap.memory * overcommit) if cap else 0,
             "images": sorted({n for i in (index.images if index else []) for n in i.names}),
-            "problems": list(health.problems) if health is not None else ["agent unreachable"]}
+            "problems": list(health.problems) if health is not None else ["agent unreachable"],
+            "pulls": [p.model_dump() for p in getattr(health, "pulls", None) or []]}
+
+
+def pulls_text(pulls: list[dict[str, Any]]) -> str:
+    """The PULLS column (pure): pulls in progress as ``ref pct%``, else ``-``."""
+    live = [p for p in pulls if p.get("state") == "pulling"]
+    return ", ".join(f"{p['ref']} {100 * p['done_bytes'] // max(1, p['total_bytes'])}%" for p in live) or "-"
 
 
 def merge_server_states(rows: list[dict[str, Any]], server: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -116,6 +116,8 @@ class NodeAgentServer:
         else:
             raise errors.InvalidArgument(f"node agent kind {kind!r} must be 'local' or 'fake'", field="kind")
         self._started = False
+        self._kind = kind
+        self._peers: Any = None
         self._start_lock = asyncio.Lock()
         self._streams: dict[str, tuple[asyncio.Queue[ExecEvent | NodeCallError | None], asyncio.Task[None]]] = {}
         self._data: DataServer | None = None
@@ -163,6 +165,9 @@ class NodeAgentServer:
             if not self._started:
                 await self.agent.start()
                 self._started = True
+                if self._kind == "local":  # serve blobs to peers, fetch from them (dsec.cluster.p2p)
+                    from dsec.cluster.p2p import attach
+                    self._peers = await asyncio.to_thread(attach, self.agent)
         return self.agent.capacity()  # type: ignore[no-any-return]
 
     async def close(self) -> None:
@@ -174,11 +179,22 @@ class NodeAgentServer:
             await self._data.close()
             self._data, self._endpoint = None, None
         if self._started:
+            if self._peers is not None:
+                self._peers.close()
+                self._peers = None
             await self.agent.close()
             self._started = False
 
     def pid(self) -> int:
         return os.getpid()
+
+    async def cluster_gc(self, now_offset_s: float = 0.0) -> list[str]:
+        """Run this node's share of the cluster layer GC now (dsec.cluster.layer_gc), as if
+        ``now_offset_s`` more seconds had passed; the blobs it removed."""
+        if self._peers is None or self._peers.gc is None:
+            return []
+        import time
+        return await asyncio.to_thread(self._peers.gc.run_once, time.time() + now_offset_s)  # type: ignore[no-any-return]
 
     async def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method not in NODE_METHODS:

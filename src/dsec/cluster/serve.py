@@ -235,9 +235,13 @@ class Membership:
 
 class ImageCatalog:
     """image ref -> (layers, image id) from the nodes' layer indexes: the scheduler's
-    image resolver (it registers an image's layers on first sight)."""
+    image resolver (it registers an image's layers on first sight). An image no node
+    holds is looked up in ``image_registry`` (its manifest only): the scheduler then
+    places it like any image, scoring nodes by the bytes they miss, and the node it
+    picks pulls the layers (peers first) before creating."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings
         self.by_name: dict[str, tuple[list[tuple[str, int]], str]] = {}
 
     def add(self, index: Any) -> None:
@@ -248,8 +252,19 @@ class ImageCatalog:
 
     def __call__(self, ref: str) -> tuple[list[tuple[str, int]], str]:
         hit = self.by_name.get(ref)
+        if hit is None and self.settings is not None:
+            from dsec.images.registry_ops import remote_layers
+            try:
+                found = remote_layers(self.settings, ref)
+            except errors.NotFound:
+                found = None
+            if found is not None:
+                hit = self.by_name.setdefault(ref, found)
         if hit is None:
-            raise errors.NotFound(f"image {ref!r} is on no node of the cluster; import it on a node", image=ref)
+            where = f" nor in registry {self.settings.image_registry}" if self.settings and \
+                self.settings.image_registry else ""
+            raise errors.NotFound(f"image {ref!r} is on no node of the cluster{where}; import it on a node "
+                                  "or push it to the registry (image_registry)", image=ref)
         return hit
 
 
@@ -259,7 +274,7 @@ def scheduler(settings: Settings, router: Any) -> Any:
     from dsec.control.scheduler import Scheduler
 
     indexes = _run(router.layer_indexes())
-    catalog = ImageCatalog()
+    catalog = ImageCatalog(settings)
     for idx in indexes.values():
         catalog.add(idx)
     sched = Scheduler(settings)

@@ -13,6 +13,7 @@ present and only re-verifies it. At most ``image_max_concurrent_pulls`` blobs mo
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import hashlib
 import json
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -38,12 +39,89 @@ from dsec.images import media
 from dsec.images.fsutil import check_digest, digest_of
 from dsec.images.oci import normalize_name
 from dsec.images.registry import MAX_CONFIG_BYTES, Reference, RegistryClient, parse_reference, pick_platform
-from dsec.models.image import ImageInfo, LayerInfo
+from dsec.models.image import ImageInfo, LayerInfo, PullStatus
 
 FETCH_ATTEMPTS = 3  # per blob; only transient failures (connection broke, 5xx, 429) are retried
 
 if TYPE_CHECKING:
+    from dsec.config import Settings
     from dsec.images.store import ImageStore, Progress
+
+log = logging.getLogger("dsec.images.registry")
+
+
+class BlobSources(Protocol):
+    """Where a missing blob may come from besides the registry (``dsec.cluster.p2p``:
+    peers that hold it). Called with the node's ``blob-<digest>`` lock held and the blob
+    absent; must leave the blob committed (verified) in ``store.content`` or raise.
+    ``from_registry()`` fetches it from the registry. Returns the source's label
+    (``registry`` or ``peer:<node>``)."""
+
+    def fetch(self, store: ImageStore, digest: str, size: int, what: str, progress: Progress | None,
+              from_registry: Callable[[], None]) -> str: ...
+
+
+_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def node_slots(n: int) -> threading.BoundedSemaphore:
+    """The process-wide bound on blob transfers (``node_max_concurrent_pulls``): a node
+    agent is one process, so this bounds the node however many pulls run at once."""
+    with _SLOTS_LOCK:
+        sem = _SLOTS.get(n)
+        if sem is None:
+            sem = _SLOTS[n] = threading.BoundedSemaphore(n)
+        return sem
+
+
+class PullTracker:
+    """Pulls of this process, in progress and the last few finished (``dsec node ls``)."""
+
+    KEEP = 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[int, PullStatus] = {}
+        self._recent: collections.deque[PullStatus] = collections.deque(maxlen=self.KEEP)
+        self._seq = 0
+
+    def start(self, ref: str, total: int, blobs: int) -> int:
+        with self._lock:
+            self._seq += 1
+            self._active[self._seq] = PullStatus(ref=ref, total_bytes=total, blobs=blobs, started_at=time.time())
+            return self._seq
+
+    def advance(self, key: int, n: int) -> None:
+        with self._lock:
+            st = self._active.get(key)
+            if st is not None:
+                st.done_bytes = min(st.total_bytes, st.done_bytes + n)
+
+    def blob_done(self, key: int, source: str, size: int) -> None:
+        with self._lock:
+            st = self._active.get(key)
+            if st is not None:
+                st.blobs_done += 1
+                st.sources[source] = st.sources.get(source, 0) + size
+
+    def finish(self, key: int, error: str = "") -> None:
+        with self._lock:
+            st = self._active.pop(key, None)
+            if st is not None:
+                st.state = "failed" if error else "done"
+                st.error = error
+                st.seconds = round(time.time() - st.started_at, 3)
+                self._recent.append(st)
+
+    def snapshot(self) -> list[PullStatus]:
+        now = time.time()
+        with self._lock:
+            active = [s.model_copy(update={"seconds": round(now - s.started_at, 3)}) for s in self._active.values()]
+            return active + [s.model_copy() for s in self._recent]
+
+
+PULLS = PullTracker()
 
 
 class Credentials:
@@ -85,39 +163,53 @@ def _run_bounded(fn: Callable[[Any], Any], items: list[Any], workers: int) -> li
 # --- pull ---------------------------------------------------------------------------------
 
 def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
-                progress: Progress | None) -> bool:
-    """Fetch one blob into the content store, verified. Returns True if this call wrote it."""
+                progress: Progress | None, sources: BlobSources | None = None) -> str:
+    """Fetch one blob into the content store, verified. Returns where it came from:
+    ``local`` (already here), ``registry`` or what ``sources`` says (a peer)."""
     with store.locks.hold("blob-" + digest):
         if store.content.has(digest):
             store.content.verify(digest, what)  # re-hash once per process; a bad one is removed
             if progress:
                 progress(f"{digest[7:19]} (local)", size, size)
-            return False
-        with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
-            got = 0
-            # Raw bytes as received (we asked for identity encoding): no re-chunking copies.
-            raw = r.headers.get("content-encoding", "identity") in ("", "identity")
-            try:
-                for chunk in (r.iter_raw() if raw else r.iter_bytes()):
-                    got += len(chunk)
-                    if got > size:
-                        raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
-                                             "descriptor names; nothing was stored", expected=digest)
-                    w.write(chunk)
-                    if progress:
-                        progress(digest[7:19], len(chunk), size)
-            except (httpx.TransportError, httpx.StreamError) as exc:
-                raise TransientError(f"{what}: the connection to registry {rc.registry} broke after {got} of "
-                                     f"{size} bytes ({type(exc).__name__}: {exc}); nothing was stored",
-                                     registry=rc.registry, digest=digest) from exc
-            if got != size:
-                raise DigestMismatch(f"{what}: the registry sent {got} of {size} bytes (truncated); nothing "
-                                     "was stored", expected=digest)
-            if w.digest != digest:
-                raise DigestMismatch(f"{what}: the bytes registry {rc.registry} sent hash to {w.digest}, not "
-                                     "to the manifest's digest; nothing was stored", expected=digest, actual=w.digest)
-            w.commit(digest, what)  # fsync, then rename into place
-        return True
+            return "local"
+
+        def from_registry() -> None:
+            with node_slots(store.settings.node_max_concurrent_pulls):
+                _registry_blob(store, rc, ref, digest, size, what, progress)
+
+        if sources is not None:
+            return sources.fetch(store, digest, size, what, progress, from_registry)
+        from_registry()
+        return "registry"
+
+
+def _registry_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
+                   progress: Progress | None) -> None:
+    """Stream one blob from the registry into ``ingest/``, check size and digest, commit."""
+    with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
+        got = 0
+        # Raw bytes as received (we asked for identity encoding): no re-chunking copies.
+        raw = r.headers.get("content-encoding", "identity") in ("", "identity")
+        try:
+            for chunk in (r.iter_raw() if raw else r.iter_bytes()):
+                got += len(chunk)
+                if got > size:
+                    raise DigestMismatch(f"{what}: the registry sent more than the {size} bytes its manifest "
+                                         "descriptor names; nothing was stored", expected=digest)
+                w.write(chunk)
+                if progress:
+                    progress(digest[7:19], len(chunk), size)
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise TransientError(f"{what}: the connection to registry {rc.registry} broke after {got} of "
+                                 f"{size} bytes ({type(exc).__name__}: {exc}); nothing was stored",
+                                 registry=rc.registry, digest=digest) from exc
+        if got != size:
+            raise DigestMismatch(f"{what}: the registry sent {got} of {size} bytes (truncated); nothing "
+                                 "was stored", expected=digest)
+        if w.digest != digest:
+            raise DigestMismatch(f"{what}: the bytes registry {rc.registry} sent hash to {w.digest}, not "
+                                 "to the manifest's digest; nothing was stored", expected=digest, actual=w.digest)
+        w.commit(digest, what)  # fsync, then rename into place
 
 
 def _manifest_for(rc: RegistryClient, ref: Reference) -> tuple[bytes, str, str]:
@@ -198,13 +290,17 @@ def _unpack(store: ImageStore, layers: list[LayerInfo], progress: Progress | Non
 
 
 def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure: bool = False,
-         creds: Credentials | None = None, progress: Progress | None = None, unpack: bool = True) -> ImageInfo:
+         creds: Credentials | None = None, progress: Progress | None = None, unpack: bool = True,
+         sources: BlobSources | None = None) -> ImageInfo:
     """Pull ``HOST[:PORT]/REPO[:TAG|@DIGEST]`` into the store (verified), register it
-    under ``name`` (default: the reference itself) and, with ``unpack``, unpack its layers."""
+    under ``name`` (default: the reference itself) and, with ``unpack``, unpack its layers.
+    ``sources`` (a cluster node's peers) is asked for each missing blob before the registry.
+    Progress and where each blob came from are in ``PULLS`` (``dsec node ls``)."""
     ref = parse_reference(ref_text, store.settings.image_registry)
     new_blobs: list[str] = []
     new_layers: list[str] = []
     lease = store.new_lease_key("pull")
+    track: int | None = None
     try:
         with client_for(store, ref.registry, insecure, creds) as rc:
             raw, _mt, mdigest = _manifest_for(rc, ref)
@@ -230,13 +326,21 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                     seen.add(d)
                     todo.append((d, size, f"{what} ({d})"))
             new_blobs += [d for d, _, _ in todo if not store.content.has(d)]
+            track = PULLS.start(str(ref), sum(sz for _, sz, _ in todo), len(todo))
+            user_progress = progress
+
+            def tracked(label: str, n: int, total: int, key: int = track) -> None:
+                PULLS.advance(key, n)
+                if user_progress is not None:
+                    user_progress(label, n, total)
 
             def fetch(item: tuple[str, int, str]) -> None:
                 d, size, what = item
                 try:
                     for attempt in range(FETCH_ATTEMPTS):  # a broken connection / 5xx: start the blob again
                         try:
-                            _fetch_blob(store, rc, ref, d, size, what, progress)
+                            src = _fetch_blob(store, rc, ref, d, size, what, tracked, sources)
+                            PULLS.blob_done(track, src, size)  # type: ignore[arg-type]
                             return
                         except TransientError:
                             if attempt == FETCH_ATTEMPTS - 1:
@@ -262,10 +366,14 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
         info = store.register(config, layers, [name or ref.local_name()], raw)
         from dsec.images.ops import evict
         evict(store)
+        if track is not None:
+            PULLS.finish(track)
         return info
-    except BaseException:
+    except BaseException as exc:
         from dsec.images.ops import _rollback
         _rollback(store, new_blobs, new_layers, lease)
+        if track is not None:
+            PULLS.finish(track, getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
         raise
     finally:
         store.release(lease)
@@ -285,6 +393,27 @@ def pull_source(ref_text: str, image_registry: str, enabled: bool) -> str | None
     except InvalidArgument:
         return None
     return str(ref) if ref.registry == image_registry.rstrip("/") else None
+
+
+def remote_layers(settings: Settings, ref_text: str) -> tuple[list[tuple[str, int]], str] | None:
+    """For a control plane that must place an image no node holds yet: its layers
+    ``[(digest, compressed size)]`` (base first) and image id (config digest), read from
+    the manifest in ``image_registry`` (no blob is fetched). None when pull-on-create does
+    not apply to ``ref_text`` (no registry, or a ref naming another host)."""
+    source = pull_source(ref_text, settings.image_registry, settings.image_pull_on_create)
+    if source is None:
+        return None
+    ref = parse_reference(source, settings.image_registry)
+    rc = RegistryClient(ref.registry, username=settings.registry_username, password=settings.registry_password,
+                        insecure=settings.registry_insecure, ca_file=settings.registry_ca_file,
+                        timeout_s=settings.registry_timeout_s, pool=2)
+    with rc:
+        raw, _mt, _digest = _manifest_for(rc, ref)
+    doc = _json(raw, f"manifest {ref}")
+    cdigest = check_digest(str((doc.get("config") or {}).get("digest", "")), f"manifest {ref}: config")
+    layers = [(check_digest(str(ld.get("digest", "")), f"layer {i} of {ref}"), int(ld.get("size") or 0))
+              for i, ld in enumerate(doc.get("layers") or [])]
+    return layers, cdigest
 
 
 def log_progress(title: str, log: logging.Logger) -> Progress:
@@ -324,11 +453,11 @@ def resolve_or_pull(store: ImageStore, ref_text: str) -> ImageInfo:
             return store.resolve_fast(ref_text)  # another create pulled it meanwhile
         except NotFound:
             pass
-        log = logging.getLogger("dsec.images.registry")
         log.info("image %s is not on this node: pulling %s", ref_text, source)
         t0 = time.monotonic()
         try:
-            info = pull(store, source, name=normalize_name(ref_text), progress=log_progress(f"pull {source}", log))
+            info = pull(store, source, name=normalize_name(ref_text), progress=log_progress(f"pull {source}", log),
+                        insecure=s.registry_insecure, sources=store.blob_sources)
         except (Unauthorized, Forbidden) as exc:
             raise ImageError(f"image {ref_text!r} is not on this node and pulling {source} failed: "
                              f"{exc.message}", image=ref_text) from exc
@@ -402,4 +531,5 @@ def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False
     return mdigest
 
 
-__all__ = ["Credentials", "pull", "pull_source", "push", "resolve_or_pull"]
+__all__ = ["PULLS", "BlobSources", "Credentials", "PullTracker", "node_slots", "pull", "pull_source", "push",
+           "remote_layers", "resolve_or_pull"]

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
@@ -53,6 +53,9 @@ class ImageStore:
         self._infos: dict[str, ImageInfo] = {}  # image id -> info (content-addressed: immutable)
         self.hits = 0    # layer uses served from the local unpacked cache
         self.misses = 0  # layer uses that needed an unpack
+        # Where missing blobs may come from before the registry (registry_ops.BlobSources):
+        # set by a cluster node agent to its peers (dsec.cluster.p2p); None elsewhere.
+        self.blob_sources: Any = None
 
     # --- lookup -----------------------------------------------------------------------
     def _info(self, image_id: str) -> ImageInfo:

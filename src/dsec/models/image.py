@@ -23,3 +23,18 @@ class ImageInfo(BaseModel):
     workdir: str | None = None
     entrypoint: list[str] | None = None
     cmd: list[str] | None = None
+
+
+class PullStatus(BaseModel):
+    """One image pull on a node, in progress or recently finished (``dsec node ls``)."""
+
+    ref: str = Field(..., description="Registry reference being pulled")
+    state: str = Field("pulling", description="pulling, done or failed")
+    done_bytes: int = 0
+    total_bytes: int = 0
+    blobs: int = Field(0, description="Blobs (config + layers) the image has")
+    blobs_done: int = 0
+    sources: dict[str, int] = Field(default_factory=dict, description="Bytes by source: registry, peer:<node>, local")
+    started_at: float = 0.0
+    seconds: float = Field(0.0, description="Time spent so far (or in all, once finished)")
+    error: str = ""

@@ -134,6 +134,7 @@ class LocalNodeAgent:
             return await make(spec, sandbox_id or new_sandbox_id(), tenant or "")
         if spec.network is not None:
             await self._ensure_network()
+        await self._ensure_image(spec.image)
         info = await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
                                          extra_lower_dirs=extra_lower_dirs)
         if not pooled and "task" in spec.labels:
@@ -152,6 +153,20 @@ class LocalNodeAgent:
         while rec.info.state.value == "creating" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return await self.get(sandbox_id)
+
+    async def _ensure_image(self, ref: str) -> None:
+        """Pull on placement: an image this node lacks is pulled (peers first on a cluster,
+        then ``image_registry``; digests verified, single flight per ref and per blob)
+        before the create. The scheduler placed it here knowing the node misses layers."""
+        from dsec.errors import NotFound
+
+        store = self.manager.images
+        if not hasattr(store, "resolve_or_pull"):
+            return
+        try:
+            store.resolve_fast(ref)
+        except NotFound:
+            await asyncio.to_thread(store.resolve_or_pull, ref)  # NotFound again if no registry has it
 
     async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo:
         """Replace a live sandbox's egress allow-list (takes effect at once, host-side)."""
@@ -204,9 +219,11 @@ class LocalNodeAgent:
                             "install runc (scripts/setup.sh) on this node")
         if not self._started_at:
             problems.append("node agent not started")
+        from dsec.images.registry_ops import PULLS
+
         return NodeHealth(node_id=self.node_id, ok=not problems, pid=os.getpid(), hostname=socket.gethostname(),
                           started_at=self._started_at, sandboxes=len(self.manager.live),
-                          isolation=list(self.manager.isolations), problems=problems)
+                          isolation=list(self.manager.isolations), problems=problems, pulls=PULLS.snapshot())
 
     async def layer_index(self) -> LayerIndex:
         imgs = await asyncio.to_thread(self.manager.images.list)

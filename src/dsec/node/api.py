@@ -35,6 +35,7 @@ from dsec.models import (
     SandboxSpec,
 )
 from dsec.models.checkpoint import CheckpointInfo
+from dsec.models.image import PullStatus
 from dsec.net.models import DeniedAttempt
 
 __all__ = ["CheckpointInfo", "DeniedAttempt", "ExecEvent", "FenceGate", "ImageLayers", "LayerIndex", "NodeAgent",
@@ -105,6 +106,8 @@ class NodeHealth(BaseModel):
     sandboxes: int = 0
     isolation: list[str] = Field(default_factory=list, description="Runtimes found on this node")
     problems: list[str] = Field(default_factory=list)
+    pulls: list[PullStatus] = Field(default_factory=list, description="Image pulls in progress, then the last "
+                                    "finished ones (bytes by source: registry, peer:<node>, local)")
 
 
 class ImageLayers(BaseModel):

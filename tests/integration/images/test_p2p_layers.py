@@ -1,0 +1,175 @@
+"""Peer-to-peer layers between node stores, with the real docker-registry and real HTTP blob
+endpoints (``dsec.cluster.blobserve``) on loopback: fan-out (one registry fetch per blob
+feeds every other node through peers, as a tree), a peer serving corrupt bytes and a peer
+dying mid-transfer (both skipped, the next source used, nothing half-written).
+
+Each "node" is its own ImageStore (own DSEC_HOME) with its own blob endpoint, all in
+this process. The directory is the in-memory ``MemoryKV`` (the Ray GCS one is covered by
+tests/integration/cluster/test_p2p_cluster.py); everything else is what a node runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from registry_env import Registry
+
+from dsec.cluster.p2p import KVDirectory, MemoryKV, NodePeers
+from dsec.config import load_settings
+from dsec.images import ImageStore
+from dsec.images.registry_ops import push, resolve_or_pull
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture
+def pushed(store: ImageStore, registry: Registry) -> str:
+    push(store, "busybox", f"{registry.host}/team/bb:1")
+    return "team/bb:1"
+
+
+def _node(tmp: Path, name: str, registry: Registry, directory: KVDirectory, **over: Any) -> NodePeers:
+    s = load_settings(home=tmp / name, image_registry=registry.host, p2p_serve_max=2, p2p_claim_stale_s=5,
+                      **over)
+    st = ImageStore(tmp / name / "images", s)
+    return NodePeers(name, st, directory, s, "127.0.0.1").start()
+
+
+@pytest.fixture
+def directory() -> KVDirectory:
+    return KVDirectory(MemoryKV())
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, registry: Registry, directory: KVDirectory) -> Iterator[list[NodePeers]]:
+    made: list[NodePeers] = []
+    yield made
+    for n in made:
+        n.close()
+
+
+def _no_partial(st: ImageStore) -> None:
+    assert list((st.root / "blobs" / "ingest").iterdir()) == []
+
+
+def test_fan_out_one_registry_fetch_per_blob_feeds_six_nodes(tmp_path: Path, registry: Registry, pushed: str,
+                                                             directory: KVDirectory, nodes: list[NodePeers]) -> None:
+    """Six nodes pull the same image at once: each blob leaves the registry exactly once
+    (one claim), the other five get it from peers, and the layer spreads as a tree: a
+    holder that already feeds p2p_serve_max peers is passed over for fresh holders."""
+    nodes += [_node(tmp_path, f"n{i}", registry, directory) for i in range(6)]
+    barrier = threading.Barrier(len(nodes))
+
+    def go(n: NodePeers) -> str:
+        barrier.wait()
+        return resolve_or_pull(n.store, pushed).id
+
+    with cf.ThreadPoolExecutor(len(nodes)) as pool:
+        ids = list(pool.map(go, nodes))
+    assert len(set(ids)) == 1
+    info = nodes[0].store.resolve(pushed)
+    blobs = [info.id] + [li.digest for li in info.layers]
+    assert sum(n.fetcher.registry_fetches for n in nodes) == len(blobs), [n.fetcher.registry_fetches for n in nodes]
+    for d in blobs:
+        assert sum(n for n, _ in directory.served(d).values()) == len(nodes) - 1, directory.served(d)
+    served = directory.served(info.layers[0].digest)  # the config is tiny: one source is fine for it
+    # A tree, not a star: several holders served it, none to everybody (p2p_serve_max=2;
+    # the served count is published as a serve starts, so two racing fetchers may both
+    # pick a holder at 1 and make it 3).
+    assert len(served) >= 2 and max(n for n, _ in served.values()) <= 3, served
+    for n in nodes:
+        n.store.content.verify(info.layers[0].digest)
+        _no_partial(n.store)
+        assert sorted(directory.holders(info.layers[0].digest)) == sorted(x.node for x in nodes)
+
+
+class _Rogue:
+    """A "peer" on loopback that answers blob requests with wrong bytes of the right size
+    (``corrupt``) or with half the body and then a closed connection (``die``)."""
+
+    def __init__(self, mode: str, size: int) -> None:
+        self.asked = 0
+        rogue = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                rogue.asked += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                if mode == "corrupt":
+                    self.wfile.write(os.urandom(size))
+                else:
+                    self.wfile.write(os.urandom(size // 2))
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "die"])
+def test_bad_peer_is_skipped_and_the_next_source_used(tmp_path: Path, registry: Registry, pushed: str,
+                                                      store: ImageStore, directory: KVDirectory,
+                                                      nodes: list[NodePeers], mode: str) -> None:
+    """The directory says a peer holds the layer, but it serves bytes that do not hash to
+    the digest (or dies half-way): the fetch skips it, takes the layer from the next source
+    (the registry), and the store holds the verified layer and no partial file."""
+    layer = store.resolve("busybox").layers[0]
+    rogue = _Rogue(mode, layer.size)
+    try:
+        directory.publish_endpoint("evil", rogue.url)
+        directory.announce("evil", [layer.digest])
+        n = _node(tmp_path, "n0", registry, directory)
+        nodes.append(n)
+        info = resolve_or_pull(n.store, pushed)
+        assert rogue.asked == 1
+        assert "evil" in n.fetcher.skipped
+        why = n.fetcher.skipped["evil"]
+        assert ("do not hash" in why) if mode == "corrupt" else ("connection failed" in why), why
+        assert n.fetcher.registry_fetches == 2  # config + the layer, from the registry after the bad peer
+        assert info.layers[0].digest == layer.digest
+        n.store.content.verify(layer.digest)
+        _no_partial(n.store)
+    finally:
+        rogue.stop()
+
+
+def test_blob_endpoint_is_token_only_read_only_and_by_digest(tmp_path: Path, registry: Registry, pushed: str,
+                                                              directory: KVDirectory, nodes: list[NodePeers]) -> None:
+    """The peer endpoint refuses a wrong token (401), anything but a digest path (404),
+    writes (501), and serves a held blob byte for byte."""
+    import httpx
+
+    n = _node(tmp_path, "n0", registry, directory)
+    nodes.append(n)
+    info = resolve_or_pull(n.store, pushed)
+    d = info.layers[0].digest
+    url = f"{n.server.url}/v1/blobs/{d}"
+    good = {"Authorization": f"Bearer {directory.token()}"}
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(f"{n.server.url}/v1/blobs/../meta.db", headers=good).status_code == 404
+    assert httpx.get(f"{n.server.url}/v1/blobs/sha256:{'0' * 64}", headers=good).status_code == 404
+    assert httpx.put(url, headers=good, content=b"x").status_code == 501
+    r = httpx.get(url, headers=good)
+    assert r.status_code == 200 and r.content == n.store.content.path(d).read_bytes()
