@@ -60,6 +60,19 @@ def images_pull(rounds: int = typer.Option(3, help="alternated rounds (best and 
     _emit(run_pull(out, rounds=rounds, cold_create=cold_create), out, "images-pull-bench")
 
 
+@app.command("images-cluster")
+def images_cluster(nodes: int = typer.Option(5, help="DSec nodes of the local Ray cluster"),
+                   rate: str = typer.Option("1gbit", help="tc tbf rate of the registry's link"),
+                   rounds: int = typer.Option(1, help="rounds of (registry only, with peers), order alternated"),
+                   image: str = typer.Option("python", help="stock image pushed and pulled"),
+                   out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """N nodes start the same image at once from a registry in its own netns behind a
+    tc-shaped veth: registry bytes and wall time with peers vs all from the registry;
+    cold node create -> first exec with the pull apart."""
+    from dsec.bench.images_cluster import run
+    _emit(run(out, nodes=nodes, rate=rate, rounds=rounds, image=image), out, "images-cluster-bench")
+
+
 @app.command("exec-agent")
 def exec_agent(calls: int = typer.Option(2000, help="round trips")) -> None:
     """The in-sandbox exec agent's round trip vs fork+exec of the same command."""

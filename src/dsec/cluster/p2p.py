@@ -434,6 +434,48 @@ class NodePeers:
             except Exception:
                 log.exception("publishing this node's blobs failed")
 
+    def admin(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Operator / benchmark operations on this node's images (not part of NodeAgent):
+
+        - ``pull``: ``{"ref", "unpack": bool, "peers": bool}`` pull a ref from
+          ``image_registry`` with or without peers; returns the pull's status;
+        - ``forget``: ``{"ref"}`` drop the image and every blob / unpacked layer of it that
+          nothing else references or leases (a cold node again for that image);
+        - ``stats``: the blob endpoint's and the fetcher's counters."""
+        from dsec.images.ops import _referenced
+        from dsec.images.registry_ops import PULLS, pull, pull_source
+
+        s = self.s
+        if op == "pull":
+            source = pull_source(args["ref"], s.image_registry, True)
+            if source is None:
+                raise ValueError(f"{args['ref']!r} does not resolve in image_registry {s.image_registry!r}")
+            t0 = time.monotonic()
+            pull(self.store, source, name=args["ref"], unpack=bool(args.get("unpack")), insecure=s.registry_insecure,
+                 sources=self.fetcher if args.get("peers", True) else None)
+            done = [p for p in PULLS.snapshot() if p.ref == source and p.state != "pulling"]
+            return {"seconds": time.monotonic() - t0, "status": done[-1].model_dump() if done else None}
+        if op == "forget":
+            try:
+                info = self.store.resolve(args["ref"])
+            except Exception:  # noqa: BLE001 - nothing to forget
+                return {"removed": []}
+            self.store.remove(info.id)
+            referenced, leased = _referenced(self.store), self.store.db.leased_objects()
+            gone = []
+            for d in [info.id] + [li.digest for li in info.layers]:
+                if d not in referenced and d not in leased and self.store.content.delete(d):
+                    gone.append(d)
+            for li in info.layers:
+                if li.diff_id not in referenced and li.diff_id not in leased:
+                    self.store.layers.remove(li.diff_id)
+            self.sync()
+            return {"removed": gone}
+        if op == "stats":
+            return {"server": self.server.stats(), "from_peers": dict(self.fetcher.from_peers),
+                    "registry_fetches": self.fetcher.registry_fetches, "url": self.server.url}
+        raise ValueError(f"unknown p2p admin op {op!r} (pull, forget, stats)")
+
     def close(self) -> None:
         self._stop.set()
         if self.gc is not None:

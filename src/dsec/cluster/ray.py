@@ -188,6 +188,15 @@ class NodeAgentServer:
     def pid(self) -> int:
         return os.getpid()
 
+    async def p2p_admin(self, op: str, args: dict[str, Any]) -> Any:
+        """Operator/benchmark operations on this node's images (dsec.cluster.p2p.NodePeers.admin)."""
+        if self._peers is None:
+            return NodeCallError(cls="Conflict", message="peer-to-peer is off on this node (p2p_enabled)")
+        try:
+            return await asyncio.to_thread(self._peers.admin, op, args)
+        except Exception as e:  # noqa: BLE001 - back to the caller as a value
+            return NodeCallError.of(e)
+
     async def cluster_gc(self, now_offset_s: float = 0.0) -> list[str]:
         """Run this node's share of the cluster layer GC now (dsec.cluster.layer_gc), as if
         ``now_offset_s`` more seconds had passed; the blobs it removed."""

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
@@ -122,6 +123,8 @@ class PullTracker:
 
 
 PULLS = PullTracker()
+_ACTIVE = [0]  # pulls in flight in this process (see the batched syncfs in pull())
+_ACTIVE_LOCK = threading.Lock()
 
 
 class Credentials:
@@ -163,9 +166,12 @@ def _run_bounded(fn: Callable[[Any], Any], items: list[Any], workers: int) -> li
 # --- pull ---------------------------------------------------------------------------------
 
 def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
-                progress: Progress | None, sources: BlobSources | None = None) -> str:
+                progress: Progress | None, sources: BlobSources | None = None,
+                deferred: list[tuple[Path, str]] | None = None) -> str:
     """Fetch one blob into the content store, verified. Returns where it came from:
-    ``local`` (already here), ``registry`` or what ``sources`` says (a peer)."""
+    ``local`` (already here), ``registry`` or what ``sources`` says (a peer).
+    ``deferred`` (registry only): leave the verified bytes in ingest/ and append
+    (file, digest); the caller makes the batch durable and renames it (``place_durable``)."""
     with store.locks.hold("blob-" + digest):
         if store.content.has(digest):
             store.content.verify(digest, what)  # re-hash once per process; a bad one is removed
@@ -175,7 +181,8 @@ def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: s
 
         def from_registry() -> None:
             with node_slots(store.settings.node_max_concurrent_pulls):
-                _registry_blob(store, rc, ref, digest, size, what, progress)
+                _registry_blob(store, rc, ref, digest, size, what, progress,
+                               deferred if sources is None else None)
 
         if sources is not None:
             return sources.fetch(store, digest, size, what, progress, from_registry)
@@ -184,7 +191,7 @@ def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: s
 
 
 def _registry_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
-                   progress: Progress | None) -> None:
+                   progress: Progress | None, deferred: list[tuple[Path, str]] | None = None) -> None:
     """Stream one blob from the registry into ``ingest/``, check size and digest, commit."""
     with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
         got = 0
@@ -209,7 +216,10 @@ def _registry_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest
         if w.digest != digest:
             raise DigestMismatch(f"{what}: the bytes registry {rc.registry} sent hash to {w.digest}, not "
                                  "to the manifest's digest; nothing was stored", expected=digest, actual=w.digest)
-        w.commit(digest, what)  # fsync, then rename into place
+        if deferred is not None:
+            deferred.append((w.verified_unsynced(digest, what), digest))  # durable + renamed by the caller
+        else:
+            w.commit(digest, what)  # fsync, then rename into place
 
 
 def _manifest_for(rc: RegistryClient, ref: Reference) -> tuple[bytes, str, str]:
@@ -301,6 +311,7 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
     new_layers: list[str] = []
     lease = store.new_lease_key("pull")
     track: int | None = None
+    counted = False
     try:
         with client_for(store, ref.registry, insecure, creds) as rc:
             raw, _mt, mdigest = _manifest_for(rc, ref)
@@ -327,6 +338,17 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                     todo.append((d, size, f"{what} ({d})"))
             new_blobs += [d for d, _, _ in todo if not store.content.has(d)]
             track = PULLS.start(str(ref), sum(sz for _, sz, _ in todo), len(todo))
+            # A pull alone in this process, without peers: verified blobs wait in ingest/ and
+            # the whole pull is made durable by one syncfs before any is renamed into the
+            # store (was: an fsync per blob). With other pulls in flight (they may want the
+            # same blob: single flight needs it named as soon as it is fetched) or with peers
+            # (they fetch it from us), each blob is fsynced and placed at once.
+            deferred: list[tuple[Path, str]] | None = None
+            with _ACTIVE_LOCK:
+                _ACTIVE[0] += 1
+                counted = True
+                if sources is None and _ACTIVE[0] == 1:
+                    deferred = []
             user_progress = progress
 
             def tracked(label: str, n: int, total: int, key: int = track) -> None:
@@ -339,7 +361,7 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                 try:
                     for attempt in range(FETCH_ATTEMPTS):  # a broken connection / 5xx: start the blob again
                         try:
-                            src = _fetch_blob(store, rc, ref, d, size, what, tracked, sources)
+                            src = _fetch_blob(store, rc, ref, d, size, what, tracked, sources, deferred)
                             PULLS.blob_done(track, src, size)  # type: ignore[arg-type]
                             return
                         except TransientError:
@@ -350,7 +372,13 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                     raise NotFound(f"{what} is missing from registry {ref.registry} although the manifest "
                                    f"names it ({exc.message})", digest=d, registry=ref.registry) from exc
 
-            _run_bounded(fetch, todo, max(1, store.settings.image_max_concurrent_pulls))
+            try:
+                _run_bounded(fetch, todo, max(1, store.settings.image_max_concurrent_pulls))
+            except BaseException:
+                for tmp, _ in deferred or []:
+                    tmp.unlink(missing_ok=True)
+                raise
+            store.content.place_durable(deferred or [])
         config = store.content.read_bytes(cdigest, f"config of {ref}")
         cfg = _json(config, f"config {cdigest} of {ref}")
         diff_ids = ((cfg.get("rootfs") or {}).get("diff_ids")) or []
@@ -376,6 +404,9 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
             PULLS.finish(track, getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        if counted:
+            with _ACTIVE_LOCK:
+                _ACTIVE[0] -= 1
         store.release(lease)
 
 
