@@ -112,13 +112,19 @@ class ContentStore:
 
     def place_durable(self, items: list[tuple[Path, str]]) -> None:
         """Rename verified ingest files (``BlobWriter.verified_unsynced``) into the store
-        after ONE syncfs of the store's filesystem made their bytes durable, then one
-        fsync of the blob dir: the crash-safety rule of ``commit`` (durable before named)
-        at the cost of one flush per batch."""
+        once their bytes are durable, then fsync the blob dir once: the crash-safety rule
+        of ``commit`` (durable before named) in one pass at the end of a pull. Each file
+        is fsynced here rather than per blob while the pull runs (by now the kernel has
+        written most of it back); not a syncfs, which on a shared disk would also flush
+        every other process's dirty data."""
         if not items:
             return
-        from dsec.images.fsutil import syncfs
-        syncfs(self.ingest_dir)
+        for tmp, _ in items:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         for tmp, digest in items:
             final = self.path(digest)
             os.chmod(tmp, 0o444)

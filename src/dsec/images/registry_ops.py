@@ -339,8 +339,8 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
             new_blobs += [d for d, _, _ in todo if not store.content.has(d)]
             track = PULLS.start(str(ref), sum(sz for _, sz, _ in todo), len(todo))
             # A pull alone in this process, without peers: verified blobs wait in ingest/ and
-            # the whole pull is made durable by one syncfs before any is renamed into the
-            # store (was: an fsync per blob). With other pulls in flight (they may want the
+            # the whole pull is made durable in one pass at the end, before any is renamed
+            # into the store (was: an fsync per blob as each completed). With other pulls in flight (they may want the
             # same blob: single flight needs it named as soon as it is fetched) or with peers
             # (they fetch it from us), each blob is fsynced and placed at once.
             deferred: list[tuple[Path, str]] | None = None

@@ -85,7 +85,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             push(st, name, f"{reg.host}/{name}:1")
             imgs[name] = info
         c = local.up(base, 3, [], timeout_s=300, log=lambda _m: None)
-        srv = start_serve(tmp / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c)}, timeout=240)
+        # No demand-driven warm members: they would pull the image on other nodes too and
+        # blur which node pulled what (each check below names its nodes).
+        srv = start_serve(tmp / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c),
+                                        "DSEC_WARM_POOL_FACTOR": "0"}, timeout=240)
         yield {"reg": reg, "cluster": c, "srv": srv, "images": imgs, "tmp": tmp, "base": base}
     finally:
         if saved is None:
