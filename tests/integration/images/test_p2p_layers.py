@@ -65,7 +65,9 @@ def test_fan_out_one_registry_fetch_per_blob_feeds_six_nodes(tmp_path: Path, reg
     """Six nodes pull the same image at once: each blob leaves the registry exactly once
     (one claim), the other five get it from peers, and the layer spreads as a tree: a
     holder that already feeds p2p_serve_max peers is passed over for fresh holders."""
-    nodes += [_node(tmp_path, f"n{i}", registry, directory) for i in range(6)]
+    # p2p_tree_wait_s: long enough that a loaded box's slow first transfers still happen
+    # before waiters give up on fresh holders (the default 5 s bounds latency in production).
+    nodes += [_node(tmp_path, f"n{i}", registry, directory, p2p_tree_wait_s=60) for i in range(6)]
     barrier = threading.Barrier(len(nodes))
 
     def go(n: NodePeers) -> str:
