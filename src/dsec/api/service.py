@@ -12,6 +12,7 @@ import asyncio
 import fnmatch
 import hashlib
 import ipaddress
+import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -45,6 +46,8 @@ from dsec.net.allowlist import parse_allow_list, system_resolver
 from dsec.net.hostaddrs import HostGuard, kernel_delivers_locally, parse_host_allow, parse_node_addresses
 from dsec.node.api import NodeAgent
 from dsec.state.store import IdempotencyRecord, StateStore, TenantRecord
+
+log = logging.getLogger("dsec.api")
 
 Creator = Callable[[SandboxSpec, str, str], Awaitable[SandboxInfo]]
 """(spec, sandbox_id, tenant) -> SandboxInfo: where a validated create is placed. The
@@ -103,6 +106,7 @@ class SandboxService:
         self._owners: dict[str, str] = audit.owners  # one map: the audit's sync teardown hook reads it
         self._inflight = 0
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
+        self._writes: set[asyncio.Future[Any]] = set()  # state writes sent off the hand-over's path
         # Admitted creates not settled yet: quota usage = node listing + these (reserve, then create).
         self._reserved = Reservations()
         self.max_pids = pids_limit(settings.sandbox_max_pids, host_pid_max())
@@ -369,19 +373,35 @@ class SandboxService:
         now = time.time()
         writes = [self.state.record_sandbox(info.id, tenant.uid, now), self.state.mark_dead([sandbox_id], now)] \
             if handed_over else []
-        if finish is not None:
-            writes.append(finish(info))
-        if writes:
-            await asyncio.gather(*writes)
         if handed_over:
-            self._owners[info.id] = tenant.uid
+            self._owners[info.id] = tenant.uid  # this server answers for it at once, from memory
             self._owners.pop(sandbox_id, None)
+        if finish is not None:  # a request id's answer is durable before it is given
+            writes.append(finish(info))
+            await asyncio.gather(*writes)
+        elif writes:
+            # Off the hand-over's critical path: until the owner row lands, this server knows
+            # the owner from memory, and another server (or this one after a crash) falls
+            # back to the node's tenant label, which the claim has already set.
+            task = asyncio.ensure_future(asyncio.gather(*writes))
+            self._writes.add(task)
+            task.add_done_callback(self._write_done)
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
         self.audit.record(info.id, tenant.name, "create", image=info.image, image_id=info.image_id,
                           cpu=info.cpu, memory=info.memory, isolation=info.isolation, labels=info.labels,
                           network=info.network, request_id=spec.request_id)
         return info
+
+    async def flush(self) -> None:
+        """Wait for the state writes sent off the hand-over's path (before the store closes)."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    def _write_done(self, task: asyncio.Future[Any]) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("recording a warm hand-over in the state store failed: %s", task.exception())
 
     def _usage_release(self, sandbox_id: str) -> None:
         if self.usage is not None:

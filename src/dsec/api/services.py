@@ -128,6 +128,7 @@ class Services:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        await self.sandboxes.flush()
         if self.scheduler is not None:
             await self.scheduler.close()
         await self.audit.close()
