@@ -67,9 +67,9 @@ def install_usage(app: FastAPI, services: Any) -> UsageLedger | None:
     if services.sandboxes.usage is not None:  # a second app over the same services: one ledger
         return services.sandboxes.usage  # type: ignore[no-any-return]
     manager = getattr(services.node, "manager", None)
-    from dsec.node.manager import CGROUP_PARENT
-
-    ledger = UsageLedger(settings, services.state, cgroup_parent=CGROUP_PARENT,
+    # The in-process node's own parent (a remote node's sandboxes are not read here).
+    parent = manager.cgroup_parent if manager is not None else settings.cgroup_parent
+    ledger = UsageLedger(settings, services.state, cgroup_parent=parent,
                          owners=services.sandboxes._owners.get)
     if manager is not None:  # a remote (Ray) node: execs and quotas only; see README
         ledger.attach(manager)

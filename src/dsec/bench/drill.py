@@ -140,12 +140,13 @@ def serve(work: Path, port: int, host_kind: str = "dir") -> None:
 
 def node_sandbox_pids(work: Path) -> dict[str, list[int]]:
     """PIDs of each sandbox of the drill's own node (never another node's sandboxes)."""
+    from dsec.config import load_settings
     from dsec.node import cgroups
-    from dsec.node.manager import CGROUP_PARENT
+    parent = load_settings().cgroup_parent  # the drill's server inherits this environment
     out: dict[str, list[int]] = {}
     base = work / "home" / "sandboxes"
     for sid in (p.name for p in base.iterdir()) if base.is_dir() else ():
-        f = cgroups.CGROUP_ROOT / "pids" / CGROUP_PARENT / sid / "cgroup.procs"
+        f = cgroups.CGROUP_ROOT / "pids" / parent / sid / "cgroup.procs"
         try:
             pids = [int(x) for x in f.read_text().split()]
         except OSError:

@@ -72,8 +72,7 @@ class NodeEpisodeHost:
 
     def _freezer_dir(self, sandbox_id: str) -> Path:
         from dsec.node import cgroups
-        from dsec.node.manager import CGROUP_PARENT
-        return cgroups.CGROUP_ROOT / "freezer" / CGROUP_PARENT / sandbox_id
+        return cgroups.CGROUP_ROOT / "freezer" / self.manager.cgroup_parent / sandbox_id
 
     def _thaw_cgroup(self, sandbox_id: str) -> None:
         state = self._freezer_dir(sandbox_id) / "freezer.state"
@@ -90,12 +89,12 @@ class NodeEpisodeHost:
         (two cgroup state changes polled to completion, several ms) on every step.
         """
         from dsec.node import cgroups
-        from dsec.node.manager import CGROUP_PARENT
         rec = self.manager.live_record(sandbox_id)
         if rec.info.isolation != "container":
             return False
         try:
-            procs = (cgroups.CGROUP_ROOT / "freezer" / CGROUP_PARENT / sandbox_id / "cgroup.procs").read_text()
+            procs = (cgroups.CGROUP_ROOT / "freezer" / self.manager.cgroup_parent / sandbox_id
+                     / "cgroup.procs").read_text()
         except OSError:
             return False
         return len(procs.split()) <= 1

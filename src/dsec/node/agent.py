@@ -202,9 +202,8 @@ class LocalNodeAgent:
 
     async def usage(self) -> NodeUsage:
         if self._usage is None:
-            from dsec.node.manager import CGROUP_PARENT
             from dsec.node.usage import local_usage_probe
-            self._usage = local_usage_probe(CGROUP_PARENT, self.manager.cpu)
+            self._usage = local_usage_probe(self.manager.cgroup_parent, self.manager.cpu)
         busy = float(self._usage(self.node_id))
         return NodeUsage(node_id=self.node_id, cpu_busy=busy, sandboxes=len(self.manager.live),
                          active_execs=sum(self.manager.active_execs.values()))
@@ -300,13 +299,12 @@ class LocalNodeAgent:
     async def cpu_used(self, sandbox_id: str) -> float | None:
         """Average CPUs the sandbox kept busy since it was handed out (right-sizing input);
         None when unknown (not live, or no CPU accounting)."""
-        from dsec.node.manager import CGROUP_PARENT
         from dsec.node.usage import cgroup_cpu_seconds, mean_cpu_used
 
         if sandbox_id not in self.manager.live:
             self._cpu_base.pop(sandbox_id, None)
             return None
-        secs = cgroup_cpu_seconds(CGROUP_PARENT, sandbox_id)
+        secs = cgroup_cpu_seconds(self.manager.cgroup_parent, sandbox_id)
         if secs is None:
             return None
         base_secs, since = self._cpu_base.get(sandbox_id, (0.0, self.manager.live[sandbox_id].info.created_at))
@@ -314,10 +312,9 @@ class LocalNodeAgent:
 
     def _mark_cpu_base(self, sandbox_id: str) -> None:
         """CPU burned before hand-over (runc, init) is not the task's: count from here."""
-        from dsec.node.manager import CGROUP_PARENT
         from dsec.node.usage import cgroup_cpu_seconds
 
-        secs = cgroup_cpu_seconds(CGROUP_PARENT, sandbox_id)
+        secs = cgroup_cpu_seconds(self.manager.cgroup_parent, sandbox_id)
         if secs is not None:
             self._cpu_base[sandbox_id] = (secs, time.time())
         if len(self._cpu_base) > len(self.manager.live) + 1024:  # sandboxes the node reaped itself

@@ -39,10 +39,6 @@ from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_ali
 
 log = logging.getLogger("dsec.node")
 
-# Settings.cgroup_parent (DSEC_CGROUP_PARENT), read once per process: module-level helpers
-# (teardown, PID-reuse guards) use it, and a node agent is one process (several nodes on
-# one box, as `dsec cluster up` makes, each run their agent in their own process).
-CGROUP_PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
 
 
 def _meminfo_total() -> int:
@@ -59,6 +55,9 @@ class SandboxManager:
 
         self.settings = settings
         self.home = settings.home
+        # This node's parent cgroup (Settings.cgroup_parent, DSEC_CGROUP_PARENT), per manager:
+        # two nodes in one process, or a node built with overrides, each use their own.
+        self.cgroup_parent = settings.cgroup_parent
         self.run_dir = settings.runtime_dir
         self.images = images or ImageStore(settings.home / "images", settings)
         self.snapshotter = Snapshotter(self.images)
@@ -162,7 +161,7 @@ class SandboxManager:
                            isolation=r.isolation, cpu=r.cpu, memory=r.memory, disk=r.disk, pids=r.pids,
                            timeout=r.timeout, network=spec.network, labels=spec.labels, tenant=tenant,
                            node=self.settings.node_id or self.settings.host, created_at=now)
-        rec = SandboxRecord(info=info, spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=CGROUP_PARENT)
+        rec = SandboxRecord(info=info, spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=self.cgroup_parent)
         self.records.put(rec)  # recorded before any resource exists
         self.live[sid] = rec
         t0 = time.perf_counter()
@@ -233,7 +232,7 @@ class SandboxManager:
         rec.info = rec.info.model_copy(update={"pid": pid})
         if info.isolation == "gvisor":
             for gpid in await asyncio.to_thread(_gvisor_pids, info.id, pid):
-                cgroups.add_pid(CGROUP_PARENT, info.id, gpid)
+                cgroups.add_pid(self.cgroup_parent, info.id, gpid)
         if info.isolation == "gvisor":
             if not self._use_gvisor_agent(info.id):  # no ping: that is a runsc exec; relays wait for PID 1
                 raise SandboxFailure(f"sandbox {info.id}: its agent token is missing", sandbox_id=info.id)
@@ -291,7 +290,7 @@ class SandboxManager:
         spec = RuntimeSpec(sandbox_id=info.id, rootfs=str(p.rootfs), agent_binary=str(self.agent_binary),
                            cpu=info.cpu, memory=info.memory, pids=info.pids,
                            nofile=min(self.settings.default_nofile, _hard_nofile()), hostname=info.id,
-                           env=rec.env, netns_path=netns, cgroup_parent=CGROUP_PARENT)
+                           env=rec.env, netns_path=netns, cgroup_parent=self.cgroup_parent)
         config = build_config(spec)
         if info.isolation == "gvisor":
             _gvisor_bind_tmp(config, p.rootfs)
@@ -299,7 +298,7 @@ class SandboxManager:
             # run under dsec-init's seccomp filter (runsc applies no OCI profile inside).
             config["process"]["args"] = gvisor_relay.serve_args()
             config["mounts"].append(gvisor_relay.write_token(p.base)[1])
-            cgroups.create_limited(CGROUP_PARENT, info.id, info.memory, info.cpu, info.pids)
+            cgroups.create_limited(self.cgroup_parent, info.id, info.memory, info.cpu, info.pids)
             config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             if netns is None:  # --network=none: runsc makes its own empty netns
                 config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"]
@@ -338,7 +337,7 @@ class SandboxManager:
         try:
             pid = rec.info.pid or _read_pid(p.bundle / "init.pid")
             rt = self.runtime(rec.info.isolation)
-            await asyncio.to_thread(_release_kernel_resources, p, rt, pid, rec.info.isolation)
+            await asyncio.to_thread(_release_kernel_resources, p, rt, pid, rec.info.isolation, rec.cgroup_parent)
             if self.network is not None:
                 await self.network.detach(sid)
             await asyncio.to_thread(self.snapshotter.release, sid)
@@ -377,7 +376,8 @@ class SandboxManager:
                 rec.info = info = info.model_copy(update={"network": rec.spec.network})
                 self.records.put(rec)
             done = False
-            if info.isolation == "container" and info.pid and _is_sandbox_init(info.pid, sandbox_id, "container"):
+            if info.isolation == "container" and info.pid and \
+                    _is_sandbox_init(info.pid, sandbox_id, "container", self.cgroup_parent):
                 p = self.paths(sandbox_id)
                 hosts = None
                 att = self.network.attachment(sandbox_id) if self.network is not None else None
@@ -389,7 +389,7 @@ class SandboxManager:
                     times = await asyncio.get_running_loop().run_in_executor(rs.executor(), functools.partial(
                         rs.reset_container, sandbox_id=sandbox_id, init_pid=info.pid, rootfs=p.rootfs,
                         scratch=p.scratch, lower_dirs=lowers, disk=info.disk, workdir=rec.workdir, hosts=hosts,
-                        cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids)))
+                        cgroup_parent=self.cgroup_parent, limits=(info.memory, info.cpu, info.pids)))
                     log.debug("reset %s in place: %s", sandbox_id, times)
                     done = True
                 except (rs.ResetError, OSError) as e:
@@ -530,7 +530,8 @@ class SandboxManager:
         sid = rec.info.id
         p = self.paths(sid)
         rt = self.runtime(rec.info.isolation)
-        await asyncio.to_thread(_release_kernel_resources, p, rt, rec.info.pid, rec.info.isolation)
+        await asyncio.to_thread(_release_kernel_resources, p, rt, rec.info.pid, rec.info.isolation,
+                                rec.cgroup_parent)
         if self.network is not None:
             await self.network.detach(sid)
         await asyncio.to_thread(self.snapshotter.release, sid)
@@ -575,7 +576,7 @@ class SandboxManager:
             self._layer_pins[name] = 1  # no teardown's GC may take it before the clones mount it
             try:
                 frozen = await asyncio.to_thread(
-                    clones.freeze_layer, home=self.home, cgroup_parent=CGROUP_PARENT, sandbox_id=sandbox_id,
+                    clones.freeze_layer, home=self.home, cgroup_parent=self.cgroup_parent, sandbox_id=sandbox_id,
                     isolation=rec.info.isolation, init_pid=rec.info.pid, rootfs=p.rootfs, scratch=p.scratch,
                     lower_dirs=current, disk=rec.info.disk, workdir=rec.workdir, layer_name=name)
             except BaseException:
@@ -604,7 +605,7 @@ class SandboxManager:
             if att is not None and att.hosts:
                 hosts = ("\n".join(["127.0.0.1 localhost"] + [f"{ip} {name}" for name, ips in att.hosts.items()
                                                               for ip in ips]) + "\n").encode()
-            if not rec.info.pid or not _is_sandbox_init(rec.info.pid, sandbox_id, "container"):
+            if not rec.info.pid or not _is_sandbox_init(rec.info.pid, sandbox_id, "container", rec.cgroup_parent):
                 raise SandboxFailure(f"sandbox {sandbox_id}: its init is gone", sandbox_id=sandbox_id)
             await asyncio.to_thread(clones.reroot_fresh, sandbox_id=sandbox_id, init_pid=rec.info.pid,
                                     rootfs=p.rootfs, scratch=p.scratch, lower_dirs=lowers, disk=rec.info.disk,
@@ -657,7 +658,7 @@ class SandboxManager:
 
     async def _healthy(self, rec: SandboxRecord) -> bool:
         pid = rec.info.pid
-        if not pid or not _is_sandbox_init(pid, rec.info.id, rec.info.isolation):
+        if not pid or not _is_sandbox_init(pid, rec.info.id, rec.info.isolation, rec.cgroup_parent):
             return False
         if rec.info.isolation == "gvisor":
             return True
@@ -685,7 +686,8 @@ class SandboxManager:
             p = self.paths(sid)
             pid = _read_pid(p.bundle / "init.pid")
             for iso in self.isolations:
-                await asyncio.to_thread(_release_kernel_resources, p, self.runtime(iso), pid, iso)
+                await asyncio.to_thread(_release_kernel_resources, p, self.runtime(iso), pid, iso,
+                                        self.cgroup_parent)
             self.snapshotter.release(sid)
             if self.network is not None:
                 await self.network.detach(sid)
@@ -738,25 +740,26 @@ class SandboxManager:
 
     async def freeze(self, sandbox_id: str) -> None:
         self.live_record(sandbox_id)
-        await asyncio.to_thread(cgroups.set_frozen, CGROUP_PARENT, sandbox_id, True)
+        await asyncio.to_thread(cgroups.set_frozen, self.cgroup_parent, sandbox_id, True)
 
     async def thaw(self, sandbox_id: str) -> None:
-        await asyncio.to_thread(cgroups.set_frozen, CGROUP_PARENT, sandbox_id, False)
+        await asyncio.to_thread(cgroups.set_frozen, self.cgroup_parent, sandbox_id, False)
 
 
-def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, isolation: str) -> None:
+def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, isolation: str,
+                              cgroup_parent: str) -> None:
     """Kill, then remove cgroups, runtime state, mounts, socket and dirs (worker thread).
 
     One pass with no subprocess: SIGKILL of the init takes its whole pid namespace down;
     the runtime's state is plain files once its processes are gone (no ``runc delete``).
     """
-    cgroups.thaw(CGROUP_PARENT, p.sandbox_id)
-    if pid and _is_sandbox_init(pid, p.sandbox_id, isolation):
+    cgroups.thaw(cgroup_parent, p.sandbox_id)
+    if pid and _is_sandbox_init(pid, p.sandbox_id, isolation, cgroup_parent):
         kill_pid(pid)
         wait_gone(pid, 5.0)
     if isolation == "gvisor":
         _kill_gvisor_processes(p.sandbox_id, rt.state_root)
-    cgroups.kill_and_remove(CGROUP_PARENT, p.sandbox_id)
+    cgroups.kill_and_remove(cgroup_parent, p.sandbox_id)
     rt.remove_state(p.sandbox_id)
     for mp in (p.rootfs, p.scratch):
         try:
@@ -834,12 +837,12 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _is_sandbox_init(pid: int, sandbox_id: str, isolation: str) -> bool:
+def _is_sandbox_init(pid: int, sandbox_id: str, isolation: str, cgroup_parent: str) -> bool:
     """Guard against PID reuse: the process must belong to this sandbox."""
     try:
         if isolation == "gvisor":
             return sandbox_id.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-        return f"/{CGROUP_PARENT}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text()
+        return f"/{cgroup_parent}/{sandbox_id}" in Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
         return False
 

@@ -83,15 +83,15 @@ async def test_cpu_used_reads_the_sandbox_cgroup(driver) -> None:  # type: ignor
     """The right-sizing sample of a real sandbox counts the CPU its commands burned (a fixed
     amount of work, so machine load cannot change it), bounded by its 0.5-CPU cap,
     and nothing once it is gone."""
-    from dsec.node.manager import CGROUP_PARENT
     from dsec.node.usage import cgroup_cpu_seconds
 
     d, node = driver
+    parent = node.manager.cgroup_parent
     info = await d.create(small(labels={"task": "spin"}), f"sb-cpu-{os.getpid()}", "t1")
-    before = cgroup_cpu_seconds(CGROUP_PARENT, info.id)
+    before = cgroup_cpu_seconds(parent, info.id)
     r = await node.exec(info.id, ExecRequest(cmd="i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done", timeout=120))
     assert r.exit_code == 0
-    after = cgroup_cpu_seconds(CGROUP_PARENT, info.id)
+    after = cgroup_cpu_seconds(parent, info.id)
     assert before is not None and after is not None and after - before > 0.05
     used = await node.cpu_used(info.id)
     # CFS enforces the 0.5 cap per 100 ms period: over a sub-second life the mean can
