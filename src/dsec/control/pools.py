@@ -84,6 +84,10 @@ class PoolBook:
             node = self.sched.cluster.nodes.get(r.node_id)
             if node is not None:
                 node.warm_count -= 1
+            # A ready member that vanished (its node lost or drained, or it died): rebuild
+            # at the next batch on a healthy node, not at the next full plan (30 s away), so
+            # the pool target stays met cluster-wide. A surplus destroy leaves no gap.
+            self.dirty[r.shape] = None  # type: ignore[index]
 
     def replenish(self, now: float) -> list[Placement]:
         """Pool creations (and expiries) due now; called at the end of every batch."""

@@ -6,6 +6,7 @@ destroys what was given up and is ready again)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,44 @@ async def test_lost_nodes_checkpointed_sandbox_is_restored_elsewhere_same_id(tmp
         assert x.id in other.sandboxes and await router.read_file(x.id, "/work/state") == b"step 7"
         with pytest.raises(errors.NodeLost):
             await router.exec(y.id, ExecRequest(cmd="true"))
+
+
+async def test_lost_nodes_warm_members_are_rebuilt_on_other_nodes_at_once(tmp_path: Path) -> None:
+    """A pool floor of 4 spread over two nodes; node a is lost (the heartbeat's judgement).
+    Its ready members are rebuilt on b within a second, long before the next full pool
+    plan (warm_pool_plan_interval_s = 60 s here): the pool target stays met cluster-wide."""
+    from fake_cluster import two_fake_nodes
+
+    from dsec.cluster.serve import Heartbeats
+    from dsec.config import Settings
+
+    s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01, warm_pool_plan_interval_s=60.0,
+                 warm_pool_max_per_node=2)
+    async with two_fake_nodes(s) as (_store, a, _b, router, driver):
+        beats = Heartbeats(s, router, driver)
+        spec = SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G")
+
+        def ready() -> dict[str, int]:
+            pools = driver.sched.pools
+            assert pools is not None
+            out: dict[str, int] = {}
+            for members in pools.free.values():
+                for r in members:
+                    out[r.node_id] = out.get(r.node_id, 0) + 1
+            return out
+
+        driver.set_pool(spec, 4)
+        for _ in range(200):
+            if ready() == {"a": 2, "b": 2}:
+                break
+            await asyncio.sleep(0.01)
+        assert ready() == {"a": 2, "b": 2}
+        s.warm_pool_max_per_node = 4  # room on b for the rebuilt members
+        beats.last_ok["a"] = time.monotonic()
+        beats._lose("a", time.monotonic())
+        for _ in range(100):
+            if ready() == {"b": 4}:
+                break
+            await asyncio.sleep(0.01)
+        assert ready() == {"b": 4}, ready()
+        assert len([i for i in await router.list() if i.node == "b"]) == 4
