@@ -110,11 +110,14 @@ class EpisodeEngine:
         self.sandboxes = SandboxBook(store, host)
 
     # --- open / restore ---------------------------------------------------------------
-    async def open(self, episode_id: str, spec: SandboxSpec | None = None) -> EpisodeInfo:
+    async def open(self, episode_id: str, spec: SandboxSpec | None = None,
+                   sandbox_id: str | None = None) -> EpisodeInfo:
         """Create the episode, or resume it from its newest complete checkpoint unit.
 
         Every open makes the caller the episode's owner with a new epoch (``info.epoch``);
-        writes carrying an older epoch are refused with ``EpisodeFenced``.
+        writes carrying an older epoch are refused with ``EpisodeFenced``. ``sandbox_id``:
+        the id of the sandbox a create/restore makes (a control plane that placed and
+        accounted it under that id); by default the engine picks one.
         """
         check_episode_id(episode_id)
         async with self._open_locks.setdefault(episode_id, asyncio.Lock()):
@@ -130,14 +133,14 @@ class EpisodeEngine:
                         f"episode {episode_id!r} has checkpoint units but none is complete; "
                         "inspect it with `dsec episode show` or delete it to start over")
                 epoch = await self.owners.claim(episode_id, [])
-                return await self._create(episode_id, spec or SandboxSpec(), epoch)
+                return await self._create(episode_id, spec or SandboxSpec(), epoch, sandbox_id)
             epoch = await self.owners.claim(episode_id, [m.epoch for m in units])
             t0 = time.perf_counter()
             failures = []
             next_seq = 1 + max(seq for seq, _ in await asyncio.to_thread(list_unit_keys, self.store, episode_id))
             for meta in units:
                 try:
-                    live = await self._restore(meta)
+                    live = await self._restore(meta, sandbox_id)
                     live.next_seq, live.epoch = next_seq, epoch
                 except (errors.DigestMismatch, errors.NotFound, errors.CheckpointError) as exc:
                     log.warning("episode %s: unit %d unusable (%s); falling back", episode_id, meta.seq, exc)
@@ -167,14 +170,15 @@ class EpisodeEngine:
                 log.warning("episode %s: destroying superseded sandbox %s failed: %s", live.id, sid, exc)
         await self._close_journal(live)
 
-    async def _create(self, episode_id: str, spec: SandboxSpec, epoch: int) -> EpisodeInfo:
+    async def _create(self, episode_id: str, spec: SandboxSpec, epoch: int,
+                      sandbox_id: str | None = None) -> EpisodeInfo:
         view = await self.host.image_view(spec)
         tracker = self._tune(FsTracker(in_image=image_lookup(view.lower_dirs),
                                        full_every=self.settings.checkpoint_full_every,
                                        level=self.settings.checkpoint_zstd_level), spec)
         live = _Live(id=episode_id, spec=spec, view=view, tracker=tracker, epoch=epoch)
         orphans = await self.sandboxes.orphans(episode_id)  # of a create that crashed before its first unit
-        live.sandbox_id = await self.sandboxes.new(episode_id, spec, [])
+        live.sandbox_id = await self.sandboxes.new(episode_id, spec, [], sandbox_id)
         self.sandboxes.reap_later(episode_id, orphans)
         try:
             live.journal = await self._open_journal(episode_id, b"")
@@ -233,7 +237,7 @@ class EpisodeEngine:
         if remove:
             self._journal_path(live.id).unlink(missing_ok=True)
 
-    async def _restore(self, meta: UnitMeta) -> _Live:
+    async def _restore(self, meta: UnitMeta, sandbox_id: str | None = None) -> _Live:
         spec = SandboxSpec.model_validate(meta.spec)
         view = await self.host.image_view(spec)
         if view.compat.hash() != meta.compat_hash:
@@ -260,7 +264,7 @@ class EpisodeEngine:
                          user_meta={k: v for k, v in meta.meta.items() if not k.startswith("_")}, seq=meta.seq,
                          next_seq=meta.seq + 1, last_key=meta.key, inline=dict(meta.inline),
                          traj_bytes=traj_bytes)
-            live.sandbox_id = await self.sandboxes.new(meta.episode_id, spec, lowers)
+            live.sandbox_id = await self.sandboxes.new(meta.episode_id, spec, lowers, sandbox_id)
         finally:
             self.layers.unpin(lowers)  # mounted now (or failed): the mount keeps them from the sweep
         self.sandboxes.reap_later(meta.episode_id, orphans)

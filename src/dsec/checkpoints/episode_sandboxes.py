@@ -28,8 +28,8 @@ class SandboxBook:
     def _marker(self, episode_id: str, sandbox_id: str) -> str:
         return f"episodes/{episode_id}/sandboxes/{sandbox_id}"
 
-    async def new(self, episode_id: str, spec: SandboxSpec, lowers: list[Path]) -> str:
-        sid = new_sandbox_id()
+    async def new(self, episode_id: str, spec: SandboxSpec, lowers: list[Path], sandbox_id: str | None = None) -> str:
+        sid = sandbox_id or new_sandbox_id()
         await asyncio.to_thread(self.store.put, self._marker(episode_id, sid), b"")
         try:
             await self.host.create(spec, lowers, sid)

@@ -40,8 +40,9 @@ class NodeEpisodeHost:
 
     async def create(self, spec: SandboxSpec, extra_lower_dirs: list[Path], sandbox_id: str) -> str:
         tenant = EPISODE_TENANT.get()
-        if tenant is None or self.sandboxes is None:  # drills, benches: no tenant to account
-            info = await self.node.create(spec, sandbox_id=sandbox_id, extra_lower_dirs=extra_lower_dirs)
+        if tenant is None or self.sandboxes is None:  # drills, benches, a cluster node: accounted elsewhere
+            info = await self.node.create(spec, sandbox_id=sandbox_id, tenant=getattr(tenant, "name", None),
+                                          extra_lower_dirs=extra_lower_dirs)
             return info.id
 
         async def build(s: SandboxSpec, sid: str, tenant_name: str) -> Any:

@@ -61,7 +61,7 @@ from dsec.cluster.dataplane import OK as _OK
 from dsec.cluster.dataplane import DataClient, DataEndpoint, DataServer, NodeCallError, Refused, codec
 from dsec.cluster.dataplane import frame_size as _frame_size
 from dsec.models import ExecRequest, SandboxSpec
-from dsec.node.api import NODE_METHODS, ExecEvent, NodeCapacity
+from dsec.node.api import EPISODE_METHODS, NODE_METHODS, ExecEvent, NodeCapacity
 
 __all__ = ["NodeAgentServer", "NodeCallError", "RayNodeProxy", "connect", "dsec_nodes", "ensure_agent",
            "ensure_agents", "get_agent", "node_resource", "parse_address"]
@@ -206,7 +206,7 @@ class NodeAgentServer:
         return await asyncio.to_thread(self._peers.gc.run_once, time.time() + now_offset_s)  # type: ignore[no-any-return]
 
     async def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if method not in NODE_METHODS:
+        if method not in NODE_METHODS and method not in EPISODE_METHODS:
             return NodeCallError(cls="InvalidArgument", message=f"{method!r} is not a NodeAgent method")
         try:
             if not self._started:  # Ray restarted this actor after a crash: reconcile first
@@ -692,3 +692,7 @@ class RayNodeProxy:
 
     async def checkpoint(self, sandbox_id: str, tenant: str) -> Any:
         return await self._call("checkpoint", sandbox_id, tenant)
+
+    async def episode(self, op: str, key: str, args: dict[str, Any]) -> Any:
+        """An episode call run on this node (dsec.checkpoints.node_episodes)."""
+        return await self._call("episode", op, key, args)

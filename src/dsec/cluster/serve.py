@@ -6,7 +6,7 @@ limits from the cluster view) and the scheduler driver over every node's proxy, 
 each node's real layer index registered for image-aware placement.
 
 Not yet over the cluster (a single-node server keeps them): image management routes
-(images live per node), checkpoint/episode routes (they still read a local node).
+(images live per node), episode forks.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Heartbeats:
         self.detect_s: dict[str, float] = {}  # node id -> last good heartbeat -> marked lost (s)
         self.reconciled: dict[str, list[str]] = {}  # node id -> sandboxes it destroyed on coming back
         self.recovery: LostRecovery | None = None  # restores checkpointed sandboxes of a lost node
+        self.episodes: Any = None  # dsec.cluster.episodes.ClusterEpisodes: resumes a lost node's episodes
         self._bg: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -158,6 +159,8 @@ class Heartbeats:
         self.detect_s[nid] = round(now - self.last_ok[nid], 3)
         log.warning("node %s lost (no good heartbeat for %.1fs): %d sandboxes given up", nid, self.detect_s[nid],
                     len(gone))
+        if self.episodes is not None:
+            self.episodes.on_node_lost(nid)
         if self.recovery is not None and owned:
             task = asyncio.ensure_future(self.recovery.run(nid, owned))
             self._bg.add(task)

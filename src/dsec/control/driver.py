@@ -787,9 +787,13 @@ class SchedulerDriver:
             elif req.request_id in self._via:
                 via = self._via[req.request_id]
                 restore = getattr(via, "restore", None)  # dsec.cluster.checkpoints.RestoreCreator
+                build_on = getattr(via, "build_on", None)  # dsec.cluster.episodes.EpisodeOpener
                 if restore is not None:  # built on the node placed here, which unpacks the checkpoint
                     info = await agent.create(spec, sandbox_id=self._sids.get(req.request_id) or None,
                                               tenant=req.tenant, restore=restore, fence=self._fence())
+                elif build_on is not None:  # a creator that must run on the node placed here
+                    info = await build_on(p.node_id, agent, spec, self._sids.get(req.request_id) or "", req.tenant,
+                                          fence=self._fence())
                 else:
                     info = await via(spec, self._sids.get(req.request_id) or "", req.tenant)
                 self._via.pop(req.request_id, None)

@@ -51,6 +51,7 @@ class LocalNodeAgent:
         self._started_at = 0.0
         self._usage: Any = None  # node_id -> busy fraction (dsec.node.usage), made on first use
         self._checkpoints: Any = None  # dsec.checkpoints.sandbox_ckpt.SandboxCheckpoints, made on first use
+        self._episodes: Any = None  # dsec.checkpoints.node_episodes.NodeEpisodes, made on first use
         self._reaper: asyncio.Task[None] | None = None
         if network is None and settings.net_enabled:
             from dsec.net import NetworkManager
@@ -248,6 +249,13 @@ class LocalNodeAgent:
 
     async def checkpoint(self, sandbox_id: str, tenant: str) -> CheckpointInfo:
         return await self.checkpoints.checkpoint(tenant, sandbox_id)  # type: ignore[no-any-return]
+
+    async def episode(self, op: str, key: str, args: dict[str, Any]) -> Any:
+        """Episodes placed on this node by a control plane elsewhere (dsec.checkpoints.node_episodes)."""
+        if self._episodes is None:
+            from dsec.checkpoints.node_episodes import NodeEpisodes
+            self._episodes = NodeEpisodes(self)
+        return await self._episodes.call(op, key, args)
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
                     fence: int | None = None) -> SandboxInfo:

@@ -226,3 +226,9 @@ NODE_METHODS: tuple[str, ...] = (
     "remove_file", "upload_tar", "download_tar", "update_network", "network_denied_events", "checkpoint")
 """The async request/response methods of ``NodeAgent`` (``exec_stream``, ``capacity``,
 ``start``/``close`` aside): what a remote transport forwards, and nothing else."""
+
+EPISODE_METHODS: tuple[str, ...] = ("episode",)
+"""Optional: a node that runs episodes for a control plane elsewhere (``LocalNodeAgent``:
+``episode(op, key, args)``, dsec.checkpoints.node_episodes) — the episode's steps and their
+fs capture run where its sandbox is, units go to the shared store. A remote transport
+forwards these too; nodes without them (fakes) answer NotFound for the attribute."""

@@ -84,7 +84,7 @@ async def test_undrain_makes_a_draining_node_placeable_again(tmp_path: Path) -> 
 
     s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01)
     shape = {"image": "busybox", "cpu": 1, "memory": "1G", "disk": "1G"}
-    async with two_fake_nodes(s) as (_store, a, b, router, driver):
+    async with two_fake_nodes(s) as (_store, _a, _b, router, driver):
         await drain(router, driver, None, "a", migrate=False, tenant_uid=_uid)
         for i in range(2):
             assert (await driver.create(SandboxSpec(**shape), f"sb-d{i}", "t")).node == "b"  # type: ignore[arg-type]

@@ -189,7 +189,7 @@ async def test_lost_nodes_warm_members_are_rebuilt_on_other_nodes_at_once(tmp_pa
 
     s = Settings(home=tmp_path, batch_window_s=0.01, retry_backoff_s=0.01, warm_pool_plan_interval_s=60.0,
                  warm_pool_max_per_node=2)
-    async with two_fake_nodes(s) as (_store, a, _b, router, driver):
+    async with two_fake_nodes(s) as (_store, _a, _b, router, driver):
         beats = Heartbeats(s, router, driver)
         spec = SandboxSpec(image="busybox", cpu=1, memory="1G", disk="1G")
 
