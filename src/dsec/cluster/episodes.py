@@ -34,11 +34,11 @@ from typing import Any
 from dsec import errors
 from dsec.checkpoints import owners
 from dsec.checkpoints.host import EPISODE_TENANT
-from dsec.checkpoints.models import CheckpointRef, EpisodeInfo, StepResult
 from dsec.cluster.membership import NodeState, placeable
 from dsec.cluster.router import least_loaded
 from dsec.ids import new_sandbox_id
 from dsec.models import ExecRequest, SandboxInfo, SandboxSpec
+from dsec.models.episode import CheckpointRef, EpisodeInfo, StepResult
 
 log = logging.getLogger("dsec.cluster")
 

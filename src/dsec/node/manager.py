@@ -461,7 +461,7 @@ class SandboxManager:
             id=nid, state=S.creating, image=spec.image, image_id=image.id, isolation="container", cpu=info.cpu,
             memory=info.memory, disk=info.disk, pids=info.pids, timeout=r.timeout, network=None,
             labels=spec.labels, tenant=None, node=info.node, created_at=now, pid=info.pid),
-            spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=CGROUP_PARENT)
+            spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=old.cgroup_parent)
         self.records.put(new)  # before any rename: a crash leaves both ids for reconcile to clean
         self.live[nid] = new
         po, pn = self.paths(sandbox_id), self.paths(nid)
@@ -480,14 +480,14 @@ class SandboxManager:
         def step() -> dict[str, float]:  # one hop to a reset worker for all blocking work
             self.images.touch(image.id, [li.diff_id for li in image.layers], nid, objects)
             try:
-                rs.kill_all_but_init(CGROUP_PARENT, sandbox_id, info.pid)  # type: ignore[arg-type]
-                rs.rename_cgroups(CGROUP_PARENT, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
+                rs.kill_all_but_init(old.cgroup_parent, sandbox_id, info.pid)  # type: ignore[arg-type]
+                rs.rename_cgroups(old.cgroup_parent, sandbox_id, nid, info.pid)  # type: ignore[arg-type]
                 rs.rename_paths((po.base, po.socket, rt.state_root / sandbox_id),
                                 (pn.base, pn.socket, rt.state_root / nid))
                 return rs.reset_container(
                     sandbox_id=nid, init_pid=info.pid, rootfs=pn.rootfs,  # type: ignore[arg-type]
                     scratch=pn.scratch, lower_dirs=lowers, disk=info.disk, workdir=r.workdir, hosts=None,
-                    cgroup_parent=CGROUP_PARENT, limits=(info.memory, info.cpu, info.pids), hostname=nid)
+                    cgroup_parent=old.cgroup_parent, limits=(info.memory, info.cpu, info.pids), hostname=nid)
             finally:
                 self.snapshotter.release(sandbox_id)
 
