@@ -148,25 +148,28 @@ class ClusterEpisodes:
 
     async def _after_loss(self, key: str, nid: str) -> None:
         """A call to ``nid`` ended with NodeLost: wait for the episode's move (started by the
-        heartbeat that judged the node lost, which may still be on its way)."""
+        heartbeat that judged the node lost, which may still be on its way); NodeLost when
+        the move failed or none finished in time."""
         s = self.settings
         deadline = time.monotonic() + s.cluster_node_lost_after_s + 2 * s.cluster_heartbeat_timeout_s + \
             s.api_create_wait_s
+        name = key.split("--", 1)[-1]
         while self.where.get(key) == nid:
+            if time.monotonic() > deadline:
+                raise errors.NodeLost(f"episode {name!r}: node {nid} does not answer and the episode could not be "
+                                      "resumed elsewhere yet; open it again", node=nid)
             fut = self.moves.get(key)
             if fut is not None:
                 await asyncio.shield(fut)
                 continue
-            if self.router.states.get(nid) is NodeState.lost and key not in self.moves:
+            if self.router.states.get(nid) is NodeState.lost:
+                last = self.moved.get(key, {})
+                if last.get("from") == nid and last.get("to") is None:  # tried, and it failed
+                    raise errors.NodeLost(f"episode {name!r}: node {nid} lost and resuming it elsewhere failed: "
+                                          f"{last.get('error')}; open it again", node=nid)
                 self.on_node_lost(nid)  # judged lost before this episode was tracked there
                 continue
-            if time.monotonic() > deadline:
-                raise errors.NodeLost(f"episode {key.split('--', 1)[-1]!r}: node {nid} does not answer and the "
-                                      "episode could not be resumed elsewhere yet; open it again", node=nid)
             await asyncio.sleep(0.1)
-        if key in self.moved and self.moved[key].get("to") is None and self.where.get(key) == nid:
-            raise errors.NodeLost(f"episode {key.split('--', 1)[-1]!r}: node {nid} lost and the resume "
-                                  f"elsewhere failed: {self.moved[key].get('error')}", node=nid)
 
     async def _forward(self, key: str, op: str, args: dict[str, Any], epoch: int | None = None,
                        fenced: bool = True) -> Any:

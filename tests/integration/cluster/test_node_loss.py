@@ -30,12 +30,15 @@ def test_raylet_kill_is_lost_within_10s_then_reconciled(two_nodes) -> None:  # t
     from test_cluster_e2e import SHAPE
 
     with two_nodes.http(timeout=60) as http:
-        made: list[dict] = []  # type: ignore[type-arg]
-        while len([m for m in made if m.get("node") == "n1"]) < 2:
-            assert len(made) < 10, made
-            made.append(http.post("/v1/sandboxes", json=SHAPE).json())
+        # Two sandboxes on n1: n0 is drained while they are made (warm members left on n0 by
+        # earlier tests of the shared cluster would otherwise take every create).
+        assert http.post("/v1/nodes/n0/drain", json={}).status_code == 200
+        try:
+            made: list[dict] = [http.post("/v1/sandboxes", json=SHAPE).json() for _ in range(2)]  # type: ignore[type-arg]
+        finally:
+            assert http.post("/v1/nodes/n0/undrain").status_code == 200
         on_n1 = [m for m in made if m.get("node") == "n1"]
-        assert all(m.get("node") in ("n0", "n1") for m in made), made
+        assert len(on_n1) == 2, made
         victim, saved = on_n1[0], on_n1[1]  # saved has a checkpoint: restored on n0 after the loss
         assert http.put(f"/v1/sandboxes/{saved['id']}/files", params={"path": "/work/state"},
                         content=b"step 7").status_code == 204
