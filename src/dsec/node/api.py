@@ -231,4 +231,4 @@ EPISODE_METHODS: tuple[str, ...] = ("episode",)
 """Optional: a node that runs episodes for a control plane elsewhere (``LocalNodeAgent``:
 ``episode(op, key, args)``, dsec.checkpoints.node_episodes) — the episode's steps and their
 fs capture run where its sandbox is, units go to the shared store. A remote transport
-forwards these too; nodes without them (fakes) answer NotFound for the attribute."""
+forwards these too; a node without them (the shared test fake) holds no episodes."""
