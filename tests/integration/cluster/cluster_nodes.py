@@ -67,10 +67,11 @@ class TwoNodes:
         end = time.monotonic() + 30
         while local._alive(n.pid) and time.monotonic() < end:
             time.sleep(0.2)
-        n.pid = local._start_node(self.c, n, None, []).pid
+        p = local._start_node(self.c, n, None, [])
+        n.pid = p.pid
         local._write_state(self.base.resolve(), self.c)
         end = time.monotonic() + timeout
         while (row := node_row(http, node))["state"] != "ready":
-            assert time.monotonic() < end, f"{node} did not come back: {row}"
+            assert time.monotonic() < end, f"{node} did not come back: {row}; its ray start: {local._log_tail(p)}"
             time.sleep(1)
         return row
