@@ -694,5 +694,12 @@ class RayNodeProxy:
         return await self._call("checkpoint", sandbox_id, tenant)
 
     async def episode(self, op: str, key: str, args: dict[str, Any]) -> Any:
-        """An episode call run on this node (dsec.checkpoints.node_episodes)."""
-        return await self._call("episode", op, key, args)
+        """An episode call run on this node (dsec.checkpoints.node_episodes). Through Ray, not
+        the direct endpoint: its codecs are derived from the typed ``NodeAgent`` methods, and
+        an episode call carries loosely typed ``args`` (models travel as Ray pickles them)."""
+        if self.lost:
+            raise self._lost_error()
+        out = await self._await(self.handle.call.remote("episode", (op, key, args), {}))
+        if isinstance(out, NodeCallError):
+            raise out.error()
+        return out
