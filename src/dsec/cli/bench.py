@@ -108,6 +108,17 @@ def pool(rounds: int = typer.Option(30, help="warm vs cold rounds"),
 
 
 @app.command()
+def failover(creates: int = typer.Option(200, help="creates in the burst (two clients)"),
+             out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """Kill -9 the scheduler leader mid-burst (redis, 1-node Ray cluster, two API servers):
+    time without placements, takeover, exactly-once counts."""
+    from dsec.bench.failover import run
+    with console.status(f"{creates} creates, leader killed mid-burst"):
+        report = run(creates)
+    _emit(report, out, "failover-bench")
+
+
+@app.command()
 def scheduler(requests: int = typer.Option(20_000, help="placement requests")) -> None:
     """Placement decisions/s at 1,000 and 10,000 nodes, ours vs a Kubernetes-style baseline."""
     from dsec.bench.scheduler import run

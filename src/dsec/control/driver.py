@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from dsec.config import Settings, parse_bytes
 from dsec.control.backpressure import retry_after_s
+from dsec.control.book import PreemptedDoc, floor_key, to_monotonic
 from dsec.control.convert import (
     FOR_LABEL,
     OWNER_LABEL,
@@ -37,7 +38,6 @@ from dsec.control.convert import (
     share_request,
     spec_to_request,
 )
-from dsec.control.book import PreemptedDoc, floor_key, to_monotonic
 from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Ticket
@@ -53,7 +53,7 @@ from dsec.errors import (
     Timeout,
 )
 from dsec.models import SandboxInfo, SandboxSpec
-from dsec.node.api import NodeAgent, RestoreSource
+from dsec.node.api import NodeAgent
 
 if TYPE_CHECKING:
     from dsec.control.book import ControlBook

@@ -56,7 +56,7 @@ class LeaderView(BaseModel):
     leader: str | None = Field(None, description="URL of the server holding the scheduler lease (None: none now)")
     this_server: str = Field("", description="This server's own URL (its lease holder name)")
     is_leader: bool = False
-    token: int | None = Field(None, description="The lease's fencing token (this server's if it leads)")
+    token: int | None = Field(None, description="The current lease's fencing token (as last seen by this server)")
     solo: bool = Field(False, description="Embedded single-server state: always the leader")
     elections: int = Field(0, description="Times this server became the leader")
     last_takeover_s: float | None = Field(None, description="Seconds from the previous leader's last renewal "
@@ -87,6 +87,7 @@ class LeaderElector:
         self.holder = ""
         self.token: int | None = None  # the fencing token of this server's term (None: not leading)
         self.leader_url: str | None = None
+        self.seen_token: int | None = None  # the current lease's token as a follower last read it
         self._renewed_sent_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()  # set at every change of leader (followers waiting on one)
@@ -94,6 +95,7 @@ class LeaderElector:
         self.on_deposed: Callable[[], None] | None = None
         self.elections = 0
         self.last_takeover_s: float | None = None
+        self._takeover_lock = asyncio.Lock()
 
     @property
     def is_leader(self) -> bool:
@@ -108,7 +110,7 @@ class LeaderElector:
     def view(self) -> LeaderView:
         leading = self.is_leader
         return LeaderView(leader=self.holder if leading else self.leader_url, this_server=self.holder,
-                          is_leader=leading, token=self.token if leading else None, solo=self.solo,
+                          is_leader=leading, token=self.token if leading else self.seen_token, solo=self.solo,
                           elections=self.elections, last_takeover_s=self.last_takeover_s)
 
     async def start(self, holder: str) -> None:
@@ -166,6 +168,7 @@ class LeaderElector:
         if self.token is not None:
             self._depose("another server holds the lease")
         current = await self._current()
+        self.seen_token = current.token if current is not None else None
         url = current.holder if current is not None and current.expires_at > sent else None
         if url != self.leader_url:
             self.leader_url = url
@@ -197,6 +200,26 @@ class LeaderElector:
             self.on_deposed()
         self.changed.set()
         self.changed = asyncio.Event()
+
+    async def take_from_dead(self, dead: str) -> bool:
+        """The leader ``dead`` refuses connections (its process is gone): take the lease now
+        instead of waiting out its TTL. Safe even if it were alive: the token grows and the
+        nodes fence it. Returns whether this server leads now."""
+        if self.is_leader or self.solo or not self.holder:
+            return self.is_leader
+        async with self._takeover_lock:
+            if self.is_leader:
+                return True
+            previous = await self._current()
+            if previous is None or previous.holder != dead:
+                return self.is_leader  # someone else already took it
+            sent = self.clock()
+            lease = await self.state.lease_takeover(LEASE_NAME, self.holder, dead, self.s.scheduler_lease_ttl_s, sent)
+            if lease is None:
+                return False
+            log.warning("the scheduler leader %s refuses connections: taking its lease now", dead)
+            await self._elected(lease, sent, previous)
+            return True
 
     def fenced(self, why: str) -> None:
         """A node refused this server's token: a newer leader exists, whatever our clock says."""
@@ -286,9 +309,12 @@ class PlacementForwarder:
                 r = await self._http.post(url + PLACE_PATH, content=body,
                                           headers={PEER_HEADER: self._secret, "content-type": "application/json"})
             except httpx.TransportError as e:
-                # The leader died (or is unreachable): the next one places it, same id.
-                log.warning("handing %s to the scheduler leader %s failed (%s); waiting for a leader",
-                            sandbox_id, url, type(e).__name__)
+                # The leader died (or is unreachable): the next one places it, same id. A
+                # refused connection means its process is gone: take over at once rather
+                # than wait out its lease (the fence keeps that safe if it was not).
+                log.warning("handing %s to the scheduler leader %s failed (%s)", sandbox_id, url, type(e).__name__)
+                if isinstance(e, httpx.ConnectError) and await self.elector.take_from_dead(url):
+                    return None
                 await self.elector.wait_for_change(min(left, pause))
                 continue
             if r.status_code == 201:

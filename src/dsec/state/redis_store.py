@@ -109,6 +109,14 @@ end
 redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'expires_at', ARGV[3])
 return token
 """
+# KEYS: lease; ARGV: holder, from_holder, expires_at
+_LEASE_TAKEOVER = """
+local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
+if not cur[1] or cur[1] ~= ARGV[2] then return false end
+local token = tonumber(cur[2]) + 1
+redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'expires_at', ARGV[3])
+return token
+"""
 _LEASE_RELEASE = """
 if redis.call('HGET', KEYS[1], 'holder') == ARGV[1] then redis.call('HSET', KEYS[1], 'expires_at', '0') return 1 end
 return 0
@@ -159,6 +167,7 @@ class RedisStateStore:
             ("put_tenant", _PUT_TENANT), ("by_token", _BY_TOKEN), ("del_tenant", _DEL_TENANT),
             ("idem_reserve", _IDEM_RESERVE), ("idem_complete", _IDEM_COMPLETE), ("record_sb", _RECORD_SB),
             ("mark_dead", _MARK_DEAD), ("lease", _LEASE), ("lease_release", _LEASE_RELEASE),
+            ("lease_takeover", _LEASE_TAKEOVER),
             ("claim", _CLAIM), ("cas", _CAS))}
 
     def _k(self, *parts: str) -> str:
@@ -338,6 +347,12 @@ class RedisStateStore:
     @_guarded
     async def lease_acquire(self, name: str, holder: str, ttl_s: float, now: float) -> Lease | None:
         token = await self._script("lease", [self._k("lease", name)], [holder, repr(now), repr(now + ttl_s)])
+        return Lease(name=name, holder=holder, token=int(token), expires_at=now + ttl_s) if token else None
+
+    @_guarded
+    async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
+                             now: float) -> Lease | None:
+        token = await self._script("lease_takeover", [self._k("lease", name)], [holder, from_holder, repr(now + ttl_s)])
         return Lease(name=name, holder=holder, token=int(token), expires_at=now + ttl_s) if token else None
 
     @_guarded

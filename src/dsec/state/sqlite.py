@@ -279,6 +279,16 @@ class SqliteDB:
                        (name, holder, token, now + ttl_s))
         return Lease(name=name, holder=holder, token=token, expires_at=now + ttl_s)
 
+    def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float, now: float) -> Lease | None:
+        with self._tx() as db:
+            row = db.execute("SELECT holder, token FROM leases WHERE name=?", (name,)).fetchone()
+            if row is None or row[0] != from_holder:
+                return None
+            token = row[1] + 1
+            db.execute("UPDATE leases SET holder=?, token=?, expires_at=? WHERE name=?",
+                       (holder, token, now + ttl_s, name))
+        return Lease(name=name, holder=holder, token=token, expires_at=now + ttl_s)
+
     def lease_get(self, name: str) -> Lease | None:
         rows = self._q("SELECT holder, token, expires_at FROM leases WHERE name=?", (name,))
         return Lease(name=name, holder=rows[0][0], token=rows[0][1], expires_at=rows[0][2]) if rows else None
@@ -402,6 +412,10 @@ class SqliteStateStore:
 
     async def lease_get(self, name: str) -> Lease | None:
         return await self._run(self.db.lease_get, name)
+
+    async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
+                             now: float) -> Lease | None:
+        return await self._run(self.db.lease_takeover, name, holder, from_holder, ttl_s, now)
 
     async def lease_release(self, name: str, holder: str) -> bool:
         return await self._run(self.db.lease_release, name, holder)

@@ -128,6 +128,12 @@ class StateStore(Protocol):
         """Take or renew ``name`` for ``holder`` unless another holder's lease is unexpired.
         A new holder gets token = previous token + 1; a renewal keeps its token."""
 
+    async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
+                             now: float) -> Lease | None:
+        """Take ``name`` from ``from_holder`` now, expired or not (its process is known to be
+        gone: its port refuses connections); the token grows. None if the lease is no longer
+        ``from_holder``'s (someone else took it first)."""
+
     async def lease_get(self, name: str) -> Lease | None: ...
     async def lease_release(self, name: str, holder: str) -> bool: ...
 

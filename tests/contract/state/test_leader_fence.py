@@ -200,3 +200,26 @@ async def test_new_leader_queues_recorded_preemptions_again(store: StateStore) -
         assert await d.forget_preempted("sb-victim") and not await book.all_preempted()
     finally:
         await d.close()
+
+
+async def test_takeover_from_a_dead_leader_is_a_compare_and_set(store: StateStore) -> None:
+    """A follower whose connection to the leader is refused takes the lease at once (no
+    TTL wait), with a higher token; only from the holder it names, so of two followers
+    racing to replace the same dead leader exactly one wins, and a stale name takes nothing."""
+    await store.lease_acquire(LEASE_NAME, "http://a", 60.0, 1000.0)
+    got = await asyncio.gather(store.lease_takeover(LEASE_NAME, "http://b", "http://a", 3.0, 1001.0),
+                               store.lease_takeover(LEASE_NAME, "http://c", "http://a", 3.0, 1001.0))
+    won = [g for g in got if g is not None]
+    assert len(won) == 1 and won[0].token == 2
+    assert (await store.lease_get(LEASE_NAME)).holder == won[0].holder  # type: ignore[union-attr]
+    assert await store.lease_takeover(LEASE_NAME, "http://d", "http://a", 3.0, 1002.0) is None
+
+    node = FakeNodeAgent(node_id="n0", isolation=("container",))
+    clock = Clock(1002.0)
+    d = await _server(store, node, clock, "http://e")
+    try:
+        assert not d.leader.is_leader  # type: ignore[union-attr]
+        assert await d.leader.take_from_dead(won[0].holder)  # type: ignore[union-attr]
+        assert d.leading() and d.leader.token == 3 and node.fence.highest == 3  # type: ignore[union-attr]
+    finally:
+        await d.close()
