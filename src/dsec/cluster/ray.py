@@ -28,7 +28,10 @@ Two transports, one protocol:
   kept on the node and fetched once through Ray (``take_result``).
 - **Ray actor calls** for control (``start``, ``close``, ``pid``, the heartbeat ``probe``,
   endpoint discovery) and as the fallback (no endpoint). Arguments and results are the
-  protocol's models (Ray pickles them).
+  protocol's models (Ray pickles them). On this path control calls made in one event-loop
+  pass (``BATCHED``: the driver's creates of one batch for a node) share one actor round
+  trip (``call_many``): one Ray call per placement capped the control plane at ~200-250
+  placements/s here (``dsec bench cluster``).
 
 Errors travel as a ``NodeCallError`` value on both paths (not as a raised exception: Ray
 wraps those in ``RayTaskError``, losing ``DSecError.details`` and the class the API maps
@@ -72,6 +75,12 @@ NAMESPACE = "dsec"
 RESOURCE_PREFIX = "dsec_node_"
 ACTOR_PREFIX = "dsec-node-"
 DIRECT_RETRY_S = 30.0  # an unreachable data endpoint (agent alive) is retried after this
+
+
+# Control-plane calls that, when they go through Ray (no direct data endpoint, or it is
+# down), the proxy coalesces per event-loop pass into one actor round trip (``call_many``).
+# Exec and file calls keep one call each: their callers are few per node and latency-bound.
+BATCHED = frozenset({"create", "claim", "destroy", "get", "list", "usage", "cpu_used"})
 
 
 def node_resource(node_id: str) -> str:
@@ -214,6 +223,12 @@ class NodeAgentServer:
             return await getattr(self.agent, method)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - every failure goes back to the caller as a value
             return NodeCallError.of(e)
+
+    async def call_many(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Several calls in one actor round trip (the proxy coalesces the calls its callers
+        made in one event-loop pass): run concurrently, as that many ``call``s would be;
+        each result (or NodeCallError) in order."""
+        return list(await asyncio.gather(*(self.call(m, a, k) for m, a, k in calls)))
 
     async def stream_open(self, sandbox_id: str, req: ExecRequest) -> str:
         if not self._started:
@@ -399,6 +414,10 @@ class RayNodeProxy:
         self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._direct_off_until = 0.0  # monotonic: the endpoint was unreachable, use Ray until then
         self.stats = {"direct": 0, "ray": 0}  # protocol calls per transport
+        # Control calls queued in this event-loop pass (sent together by _flush).
+        self._queued: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
+        self._inflight: set[asyncio.Task[None]] = set()
+        self.batching = {"round_trips": 0, "calls": 0}  # control calls sent, and in how many trips
 
     async def start(self) -> None:
         """Start the remote agent (reconcile there) and cache its capacity (and the data
@@ -573,10 +592,55 @@ class RayNodeProxy:
                     raise out.error()
                 return out
         self.stats["ray"] += 1
-        out = await self._await(self.handle.call.remote(method, args, kwargs))
+        if method in BATCHED:  # through Ray: the calls of this loop pass share one round trip
+            out = await self._batched(method, args, kwargs)
+        else:
+            out = await self._await(self.handle.call.remote(method, args, kwargs))
         if isinstance(out, NodeCallError):
             raise out.error()
         return out
+
+    def _batched(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> asyncio.Future[Any]:
+        """Queue one control call; every call queued in this event-loop pass goes out as ONE
+        actor round trip (``call_many``) on the next pass. No call waits longer than it takes
+        the loop to come round, and the scheduler's placements of one batch for this node
+        (up to ``node_parallel_creates`` at once) share one hop: Ray's per-call cost, not
+        the work, bounded placements/s (see dsec.bench.cluster)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((method, args, kwargs, fut))
+        if len(self._queued) == 1:
+            loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        calls, self._queued = self._queued, []
+        if not calls:
+            return
+        self.batching["round_trips"] += 1
+        self.batching["calls"] += len(calls)
+        if len(calls) == 1:
+            m, a, k, _ = calls[0]
+            ref = self.handle.call.remote(m, a, k)
+        else:
+            ref = self.handle.call_many.remote([(m, a, k) for m, a, k, _ in calls])
+        task = asyncio.ensure_future(self._deliver(ref, [c[3] for c in calls]))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _deliver(self, ref: Any, futs: list[asyncio.Future[Any]]) -> None:
+        try:
+            out = await self._await(ref)
+        except BaseException as e:  # noqa: BLE001 - NodeLost & co. reach every caller of the batch
+            for f in futs:
+                if not f.done():
+                    f.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        for f, r in zip(futs, out if len(futs) > 1 else [out]):
+            if not f.done():  # a caller that gave up (cancelled) just misses its answer
+                f.set_result(r)
 
     async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         if self.lost:
