@@ -122,17 +122,21 @@ class GroupAdmission:
         driver = self._driver()
         s = self.svc.settings
         if driver is None or not hasattr(driver, "sched"):
-            cap = self.svc.node.capacity()
             from types import SimpleNamespace
 
-            node = SimpleNamespace(cpu=cap.cpu, memory=cap.memory, disk=cap.disk, max_sandboxes=cap.max_sandboxes,
-                                   isolation=cap.isolation, healthy=True, predicted=0.0, used_cpu=0.0,
-                                   used_memory=0, used_disk=0, count=0)
-            return spec_to_request(spec, tenant.name, "group-probe", s), [node], 0
+            # On a cluster (the router), each ready node as it is: a group spreads over nodes,
+            # and the merged capacity is one node's size with every node's sandbox count.
+            per_node = getattr(self.svc.node, "ready_capacities", None)
+            caps = per_node() if per_node is not None else [self.svc.node.capacity()]
+            nodes = [SimpleNamespace(cpu=cap.cpu, memory=cap.memory, disk=cap.disk, max_sandboxes=cap.max_sandboxes,
+                                     isolation=cap.isolation, healthy=True, predicted=0.0, used_cpu=0.0,
+                                     used_memory=0, used_disk=0, count=0) for cap in caps]
+            return spec_to_request(spec, tenant.name, "group-probe", s), nodes, 0
         req = spec_to_request(driver._default_to_fit(spec), tenant.name, "group-probe", s)
         pools = driver.sched.pools
         warm = len(pools.free.get(req.shape, ())) if pools is not None else 0
-        return req, list(driver.sched.cluster.nodes.values()), warm
+        # Lost and draining nodes (unhealthy to the scheduler) hold no group member.
+        return req, [n for n in driver.sched.cluster.nodes.values() if n.healthy], warm
 
     def _check(self, tenant: TenantRecord, spec: SandboxSpec, n: int) -> None:
         s = self.svc.settings

@@ -5,8 +5,9 @@ this router: node id -> agent, sandbox id -> node. Per-sandbox calls go to the n
 holds the sandbox (learned from every create/list answer, which name their node in
 ``SandboxInfo.node``; an id it has not seen is looked up on every node once). Views are
 the cluster's: ``list`` merges every node's list (tenant quotas count sandboxes
-cluster-wide), ``capacity`` is what one sandbox may ask for on the largest node (a
-sandbox never spans nodes) with the cluster's total sandbox count as its cap.
+cluster-wide), ``capacity`` is what one sandbox may ask for on the largest READY node (a
+sandbox never spans nodes; lost and draining nodes take none) with the ready nodes'
+total sandbox count as its cap, ``ready_capacities`` each ready node's own.
 
 Placement is the scheduler driver's (it gets ``agents``, one entry per node); the
 router's own ``create`` (a server without the scheduler) spreads by fewest sandboxes.
@@ -161,8 +162,19 @@ class ClusterRouter:
         self._tasks = []
         await asyncio.gather(*(a.close() for a in self.agents.values()), return_exceptions=True)
 
+    def ready_capacities(self) -> list[NodeCapacity]:
+        """Each ready node's capacity: the cluster view admission judges against (a lost
+        node holds nothing, a draining one takes no new sandbox)."""
+        return [a.capacity() for n, a in self.agents.items() if placeable(self.states.get(n, NodeState.ready))]
+
     def capacity(self) -> NodeCapacity:
-        return cluster_capacity([a.capacity() for a in self.agents.values()])
+        """What one sandbox may ask for on the ready nodes (see ``cluster_capacity``)."""
+        caps = self.ready_capacities()
+        if not caps and self.agents:
+            states = ", ".join(f"{n}: {self.states.get(n, NodeState.ready).value}" for n in sorted(self.agents))
+            raise errors.CapacityExhausted(f"no node of the cluster is ready ({states}); retry when one is back "
+                                           "or undrained", retry_after=5.0)
+        return cluster_capacity(caps)
 
     async def usage(self) -> NodeUsage:
         us = await asyncio.gather(*(a.usage() for a in self.live_agents().values()))
