@@ -8,6 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from dsec.cli.common import handle_errors
+
 app = typer.Typer(help="Benchmarks (each reports ratios against a baseline run side by side).",
                   no_args_is_help=True)
 console = Console(stderr=True)
@@ -178,3 +180,24 @@ def speed(only: str = typer.Option("warm,sdk,gvisor,density,episodes,cold",
     _emit(report, out, "speed-bench")
     print(report["table"])
 
+
+
+@app.command()
+@handle_errors
+def cluster(nodes: int = typer.Option(100, help="simulated DSec nodes (fake node agents)"),
+            placements: int = typer.Option(5000, help="creates placed through the scheduler driver"),
+            concurrency: int = typer.Option(0, help="creates in flight (0: all at once)"),
+            ray: bool = typer.Option(True, help="also run with the agents as Ray actors (else in-process only)"),
+            real: bool = typer.Option(False, help="also: create->exec->destroy/s through `dsec serve --cluster` on "
+                                                  "a 3-node `dsec cluster up` vs a single-node `dsec serve`"),
+            real_seconds: float = typer.Option(20.0, help="--real: seconds of load per server"),
+            workers: int = typer.Option(8, help="--real: concurrent SDK clients"),
+            out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
+    """Placements/s through the real scheduler driver over N fake node agents as Ray actors
+    vs the same agents in-process; with --real, 3-node vs 1-node sandbox throughput."""
+    from dsec.bench.cluster import run, table
+    with console.status("benchmarking the cluster control plane") as status:
+        report = run(nodes=nodes, placements=placements, concurrency=concurrency or placements, use_ray=ray,
+                     real=real, real_seconds=real_seconds, workers=workers, progress=lambda m: status.update(m))
+    _emit(report, out, "cluster-bench")
+    print(table(report))
