@@ -1,4 +1,5 @@
-"""RayNodeProxy coalesces control calls into one actor round trip per event-loop pass.
+"""On the Ray path, RayNodeProxy coalesces control calls into one actor round trip per
+event-loop pass.
 
 The actor's dispatcher (``NodeAgentServer`` over the shared fake) runs in-process behind a
 stand-in handle that records every round trip: no Ray processes are started.
@@ -48,7 +49,7 @@ class _Handle:
 @pytest.fixture
 async def proxy(tmp_path: Path) -> Any:
     server = NodeAgentServer("fake", {"home": str(tmp_path), "node_id": "f1"})
-    p = RayNodeProxy("f1", _Handle(server), 30)
+    p = RayNodeProxy("f1", _Handle(server), 30, direct=False)  # the Ray path (no data endpoint)
     await p.start()
     p.handle.trips.clear()
     yield p
