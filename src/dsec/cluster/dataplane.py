@@ -131,12 +131,14 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int, timeout_s: fl
     if idle_timeout_s is None:
         head = await reader.readexactly(_HEAD.size)
     else:
-        head = await asyncio.wait_for(reader.readexactly(_HEAD.size), idle_timeout_s)
+        async with asyncio.timeout(idle_timeout_s):
+            head = await reader.readexactly(_HEAD.size)
     (n,) = _HEAD.unpack(head)
     if n > max_frame:
         raise FrameError(f"frame of {n} bytes is over the limit of {max_frame}")
     try:
-        rest = await asyncio.wait_for(reader.readexactly(n), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no extra task per frame (as wait_for makes)
+            rest = await reader.readexactly(n)
     except TimeoutError:
         raise FrameError(f"frame of {n} bytes not complete within {timeout_s:g}s") from None
     return parse(rest)
@@ -166,7 +168,7 @@ class Codec:
         self.params = [p for p in sig.parameters.values() if p.name != "self"]
         self.positional = [p.name for p in self.params if p.kind is not p.KEYWORD_ONLY]
         self.keyword = [p.name for p in self.params if p.kind is p.KEYWORD_ONLY]
-        self.sig = sig.replace(parameters=self.params)
+        self.names = frozenset(p.name for p in self.params)
         fields: dict[str, Any] = {
             p.name: (hints[p.name], ... if p.default is p.empty else p.default) for p in self.params}
         self.args: type[BaseModel] = create_model(f"{method}_args", __config__=_BYTES64, **fields)
@@ -174,8 +176,15 @@ class Codec:
         self.result = _adapter(type(None) if ret is None else ret)
 
     def encode_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-        bound = self.sig.bind(*args, **kwargs)
-        return self.args(**bound.arguments).model_dump_json().encode()
+        # Python's binding rules, without inspect.Signature.bind's cost on the hot path.
+        if len(args) > len(self.positional):
+            raise TypeError(f"{self.method}() takes {len(self.positional)} positional arguments, got {len(args)}")
+        values = dict(zip(self.positional, args))
+        bad = (kwargs.keys() - self.names) | (kwargs.keys() & values.keys())
+        if bad:
+            raise TypeError(f"{self.method}() got unexpected or repeated arguments {sorted(bad)}")
+        values.update(kwargs)
+        return self.args(**values).model_dump_json().encode()
 
     def decode_args(self, body: bytes) -> tuple[tuple[Any, ...], dict[str, Any]]:
         a = self.args.model_validate_json(body)

@@ -79,6 +79,9 @@ def test_codecs_cover_every_protocol_method_with_json() -> None:
     args, kw = c.decode_args(c.encode_args((SPEC,), {"tenant": "t1", "pooled": True}))
     assert args == (SPEC,) and kw["tenant"] == "t1" and kw["pooled"] is True and kw["restore"] is None
     assert dp.codec("read_file").decode_result(dp.codec("read_file").encode_result(b"\x00\xff")) == b"\x00\xff"
+    for args, kw in ((("sb", "/p", b"", 1, 2), {}), (("sb",), {"nope": 1}), (("sb",), {"sandbox_id": "sb"})):
+        with pytest.raises(TypeError):  # as a Python call with these arguments would
+            dp.codec("write_file").encode_args(args, kw)
 
 
 async def test_proxy_uses_the_direct_path_and_keeps_error_classes_and_details(tmp_path: Path) -> None:
