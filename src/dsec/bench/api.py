@@ -111,11 +111,13 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
     req = ExecRequest(cmd=["true"])
     series: dict[str, list[float]] = {k: [] for k in (
         "node_exec", "sdk_async_exec", "sdk_sync_exec", "node_get", "sdk_async_get", "sdk_sync_get",
-        "sdk_async_exec_httpx_driver", "sdk_async_exec_fastapi_route", "sdk_sync_exec_urllib3_driver")}
+        "sdk_async_exec_httpx_driver", "sdk_async_exec_fastapi_route", "sdk_sync_exec_urllib3_driver",
+        "sdk_async_exec_aiohttp_driver")}
     try:
         async with AsyncClient(url, token) as ac, \
                 AsyncClient(url, token, transport=httpx.AsyncHTTPTransport()) as hx, \
-                AsyncClient(ref_url, token) as fr:
+                AsyncClient(ref_url, token) as fr, AsyncClient(url, token) as aio:
+            aio._aio._raw = None  # type: ignore[union-attr]  # in-run baseline: the async SDK on aiohttp
             sc = Client(url, token)
             su3 = Client(url, token)  # in-run baseline: the sync SDK on urllib3 (before its raw path)
             su3._u3._raw = None  # type: ignore[union-attr]
@@ -133,6 +135,7 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
                         "sdk_async_exec_httpx_driver": await timed(hx.exec(sid, req)),
                         "sdk_async_exec_fastapi_route": await timed(fr.exec(sid, req)),
                         "sdk_sync_exec_urllib3_driver": await asyncio.to_thread(timed_sync, su3.exec, sid, req),
+                        "sdk_async_exec_aiohttp_driver": await timed(aio.exec(sid, req)),
                     }
                     if i >= warmup:
                         for k, v in row.items():
@@ -157,6 +160,8 @@ async def _overhead(home: Path, samples: int, warmup: int) -> dict[str, Any]:
         "baseline_sdk_async_exec_fastapi_route": _paired(series["node_exec"],
                                                          series["sdk_async_exec_fastapi_route"]),
         "baseline_sdk_sync_exec_urllib3_driver": _paired(series["node_exec"], series["sdk_sync_exec_urllib3_driver"]),
+        "baseline_sdk_async_exec_aiohttp_driver": _paired(series["node_exec"],
+                                                          series["sdk_async_exec_aiohttp_driver"]),
     }
     return out
 

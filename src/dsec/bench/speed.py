@@ -3,7 +3,7 @@
 | metric | how (baseline in the same run) |
 |---|---|
 | warm acquire -> first exec result | ``dsec.bench.pool``: SDK create + exec("true") on a primed pool (cold create, pools off) |
-| SDK over HTTP added to node-local exec | ``dsec.bench.api`` overhead: paired sync / async vs ``node.exec`` (sync on urllib3) |
+| SDK over HTTP added to node-local exec | ``dsec.bench.api`` overhead: paired sync / async vs ``node.exec`` (sync on urllib3, async on aiohttp) |
 | gVisor exec round trip vs container | ``gvisor``: node-local exec("true") on both tiers interleaved (and gVisor via ``runsc exec``) |
 | idle sandboxes at once / host memory each | ``density``: N idle busybox through a server with the request ratios; exec p99 while they exist; host memory used per sandbox (MemTotal-MemAvailable delta); leftovers after destroying all |
 | short episodes per second | ``episodes``: create -> exec -> destroy by C workers for T s, overcommit bound polled (podman run --rm back to back, from the cold row) |
@@ -358,7 +358,9 @@ def table(r: dict[str, Any]) -> str:
         a = r["sdk"]
         rows.append(f"| SDK over HTTP added to node-local exec (sync / async) | {a['sdk_sync_exec']['median_added_ms']}"
                     f" / {a['sdk_async_exec']['median_added_ms']} ms | sync on urllib3 "
-                    f"{a['baseline_sdk_sync_exec_urllib3_driver']['median_added_ms']} ms | <= 1 / <= 0.5 ms |")
+                    f"{a['baseline_sdk_sync_exec_urllib3_driver']['median_added_ms']} ms, async on aiohttp "
+                    f"{a.get('baseline_sdk_async_exec_aiohttp_driver', {}).get('median_added_ms')} ms "
+                    f"| <= 1 / <= 0.5 ms |")
     if "gvisor" in r:
         g = r["gvisor"]
         rows.append(f"| gVisor exec round trip vs container tier | {g['ratio_gvisor_vs_container']}x "

@@ -1,4 +1,5 @@
-"""The HTTP drivers behind ``Client`` (urllib3) and ``AsyncClient`` (aiohttp).
+"""The HTTP drivers behind ``Client`` (urllib3) and ``AsyncClient`` (aiohttp); plain-HTTP
+whole answers take a lean raw path on both (``_Raw``, ``_AioRaw``).
 
 Each performs one ``Call`` and returns the sans-IO core's ``Response``; transport
 failures are re-raised as the matching httpx exception, so ``_core.RetryPolicy`` (which
@@ -43,6 +44,8 @@ class _Aio:
         self._session: Any = None
         self._closer: AsyncIterator[None] | None = None
         self._headers = default_headers(cfg)
+        self._raw = _AioRaw(self._base, self._headers, cfg.timeout_s, cfg.max_keepalive, cfg.max_connections) \
+            if self._base.startswith("http://") else None
 
     async def _sess(self) -> Any:
         # Made lazily: an aiohttp session belongs to the loop it is first used on, and
@@ -85,6 +88,13 @@ class _Aio:
         return httpx.ReadError(f"{type(e).__name__}: {e}")
 
     async def request(self, call: Call[Any]) -> Response:
+        if self._raw is not None:
+            path = call.path + ("?" + urlencode(call.params) if call.params else "")
+            headers, body = dict(call.headers), call.content
+            if call.json is not None:
+                body = json.dumps(call.json).encode()
+                headers["content-type"] = "application/json"
+            return await self._raw.request(call.method, path, headers, body, call.timeout or self._cfg.timeout_s)
         import aiohttp
         try:
             async with (await self._sess()).request(call.method, self._base + call.path, **self._kwargs(call)) as r:
@@ -113,6 +123,8 @@ class _Aio:
             raise self._mapped(e) from e
 
     async def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
         if self._closer is not None:
             await self._closer.aclose()  # closes the session
             self._closer = None
@@ -283,6 +295,199 @@ def _read_response(s: socket.socket) -> tuple[Response, bool]:
     while chunk := s.recv(65536):  # no length: the answer ends with the connection
         rest += chunk
     return Response(status, headers, rest), False
+
+
+def _parse_answer(buf: bytes | bytearray, eof: bool) -> tuple[Response, int, bool] | None:
+    """One HTTP/1.1 answer at the start of ``buf``: (response, bytes used, reusable), or None
+    while incomplete (``eof``: the connection has ended, so a length-less body is whole).
+    Raises OSError for an answer cut short by the end of the connection."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if eof:
+            raise OSError("connection closed inside the answer's header")
+        return None
+    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    keep = headers.get("connection", "").lower() != "close"
+    pos = end + 4
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        if len(buf) - pos < n:
+            if eof:
+                raise OSError("connection closed inside the answer's body")
+            return None
+        return Response(status, headers, bytes(buf[pos:pos + n])), pos + n, keep
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            nl = buf.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            size = int(bytes(buf[pos:nl]).split(b";")[0], 16)
+            if len(buf) < nl + 2 + size + 2:
+                break
+            if size == 0:
+                return Response(status, headers, bytes(body)), nl + 4, keep  # (no trailers from our server)
+            body += buf[nl + 2:nl + 2 + size]
+            pos = nl + 2 + size + 2
+        if eof:
+            raise OSError("connection closed inside a chunked answer")
+        return None
+    if status in (204, 304) or status < 200:
+        return Response(status, headers, b""), pos, keep
+    if not eof:  # no length: the answer ends with the connection
+        return None
+    return Response(status, headers, bytes(buf[pos:])), len(buf), False
+
+
+class _Conn(asyncio.Protocol):
+    """One kept-alive connection of ``_AioRaw``: bytes in, a wake-up for the reader."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.eof = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def answer(self) -> tuple[Response, bool]:
+        while True:
+            got = _parse_answer(self.buf, self.eof)
+            if got is not None:
+                resp, used, keep = got
+                del self.buf[:used]
+                return resp, keep and not self.eof and not self.buf
+            if self.eof and not self.buf:
+                raise _NoAnswer("EOF")
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _AioRaw:
+    """``_Raw`` for ``AsyncClient``: plain-HTTP/1.1 keep-alive requests over pooled asyncio
+    connections (a Protocol, no streams). Why: aiohttp's request machinery (session,
+    connector, response and header objects) cost ~1 ms per exec on this VM, twice the async
+    SDK's overhead budget (issue 15). Whole answers over ``http://`` only; streamed answers
+    stay on aiohttp. Connections belong to the loop that opened them."""
+
+    def __init__(self, base: str, headers: dict[str, str], timeout: float, maxsize: int,
+                 max_open: int = 2048) -> None:
+        u = urlsplit(base)
+        self._addr = (u.hostname or "127.0.0.1", u.port or 80)
+        self._prefix = base[len(f"{u.scheme}://{u.netloc}"):]
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in {"host": u.netloc, **headers}.items()).encode("latin-1")
+        self._timeout = timeout
+        self._maxsize = maxsize
+        self._idle: list[_Conn] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._max_open = max_open
+        self._slots: asyncio.Semaphore | None = None  # at most max_open requests in flight
+
+    def _take(self) -> _Conn | None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # another loop's connections cannot be used (or closed) here
+            self._idle, self._loop = [], loop
+            self._slots = asyncio.Semaphore(self._max_open)
+        while self._idle:
+            c = self._idle.pop()
+            if not c.eof and not c.buf:  # closed by the server while idle, or junk: not reusable
+                return c
+            c.close()
+        return None
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await loop.create_connection(_Conn, *self._addr)
+        except OSError as e:  # never sent: always safe to retry
+            raise httpx.ConnectError(str(e)) from e
+        sock = proto.transport.get_extra_info("socket") if proto.transport is not None else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return proto
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes | None,
+                      timeout: float) -> Response:
+        head = [f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1"), self._head]
+        head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items()]
+        head.append(f"content-length: {len(body or b'')}\r\n\r\n".encode() if body is not None or method in (
+            "POST", "PUT", "PATCH") else b"\r\n")
+        data = b"".join(head) + (body or b"")
+        c = self._take()
+        assert self._slots is not None
+        async with self._slots:
+            return await self._send(c, data, timeout)
+
+    async def _send(self, c: _Conn | None, data: bytes, timeout: float) -> Response:
+        reused = c is not None
+        try:
+            async with asyncio.timeout(timeout):
+                for _ in range(2):
+                    if c is None:
+                        c = await self._connect()
+                    try:
+                        assert c.transport is not None
+                        c.transport.write(data)
+                        resp, keep = await c.answer()
+                    except _NoAnswer as e:
+                        c.close()
+                        c = None
+                        if reused:  # the server dropped this idle connection just now: once more, fresh
+                            reused = False
+                            continue
+                        raise httpx.ReadError(f"server closed the connection without answering ({e})") from None
+                    except OSError as e:
+                        c.close()
+                        c = None
+                        raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+                    if keep and len(self._idle) < self._maxsize:
+                        self._idle.append(c)
+                    else:
+                        c.close()
+                    c = None
+                    return resp
+        except TimeoutError as e:
+            raise httpx.ReadTimeout(f"no answer within the client timeout ({timeout:g}s)") from e
+        finally:
+            if c is not None:  # cancelled or timed out mid-request: the connection is in an unknown state
+                c.close()
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
 
 
 class _U3:
