@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,18 +49,18 @@ class AuditLog:
         self._net: _DeniedNetwork | None = None
 
     def watch_network(self, node: Any, poll_s: float, max_distinct: int) -> None:
-        """Copy ``node``'s denied connection attempts into the sandboxes' audit logs.
-
-        ``node`` needs ``list()`` and ``denied_network_attempts(id, since_seq)``; when it
-        has a local ``manager`` with ``before_teardown`` hooks, the last attempts and the
-        summary are written before the sandbox's network goes. Nodes without the method
-        are ignored (nothing to copy)."""
-        if not callable(getattr(node, "denied_network_attempts", None)):
-            return
+        """Copy ``node``'s denied connection attempts into the sandboxes' audit logs, through
+        the node protocol only (``list`` and ``network_denied_events``), so it works the same
+        for a node in this process and one across the cluster. A sandbox's last attempts
+        and its summary are written when it is killed through the API (``before_destroy``),
+        or at the first poll after another teardown (TTL, reaper): the node keeps a gone
+        sandbox's attempts readable for a while."""
         self._net = _DeniedNetwork(self, node, poll_s, max_distinct)
-        hooks = getattr(getattr(node, "manager", None), "before_teardown", None)
-        if isinstance(hooks, list):
-            hooks.append(self._net.final)
+
+    async def before_destroy(self, sandbox_id: str, tenant: str) -> None:
+        """A kill through the API: write the sandbox's last denied attempts and summary now."""
+        if self._net is not None:
+            await self._net.final(sandbox_id, tenant)
 
     def record(self, sandbox_id: str, tenant: str, kind: str, **data: Any) -> None:
         data = {k: clip(v, self._max_chars) for k, v in data.items()}
@@ -124,13 +123,12 @@ class _DeniedNetwork:
 
     def __init__(self, audit: AuditLog, node: Any, poll_s: float, max_distinct: int) -> None:
         self.audit, self.node, self.poll_s, self.max_distinct = audit, node, poll_s, max_distinct
-        self.source: Callable[[str, int], list[Any]] = node.denied_network_attempts
         self.tracked: dict[str, _Tracked] = {}
 
-    def _ingest(self, sandbox_id: str, t: _Tracked) -> None:
+    async def _ingest(self, sandbox_id: str, t: _Tracked) -> None:
         try:
-            events = self.source(sandbox_id, t.tally.last_seq)
-        except Exception:  # a node that lost the sandbox already; nothing more to read
+            events = await self.node.network_denied_events(sandbox_id, t.tally.last_seq)
+        except Exception:
             log.debug("reading denied attempts of %s failed", sandbox_id, exc_info=True)
             return
         for e in t.tally.add(events):
@@ -151,29 +149,23 @@ class _DeniedNetwork:
             if t is None:
                 t = self.tracked[sid] = _Tracked(tenant, DeniedTally(self.max_distinct))
             if not t.done:
-                self._ingest(sid, t)
+                await self._ingest(sid, t)
         for sid in [s for s in self.tracked if s not in live]:
             t = self.tracked.pop(sid)
-            if not t.done:  # gone without our teardown hook (another node's reaper)
+            if not t.done:  # gone without an API kill (TTL, reaper, another server): last read, then sum up
+                await self._ingest(sid, t)
                 self._summarize(sid, t)
 
-    def final(self, sandbox_id: str) -> None:
-        """Teardown hook: the sandbox's last attempts and its summary, before detach."""
+    async def final(self, sandbox_id: str, tenant: str) -> None:
+        """The sandbox's last attempts and its summary, before it is destroyed."""
         t = self.tracked.get(sandbox_id)
         if t is None:
-            try:
-                if not self.source(sandbox_id, 0):
-                    return  # no network or nothing refused: nothing to write
-            except Exception:
-                log.debug("reading denied attempts of %s failed", sandbox_id, exc_info=True)
-                return
-            # A sync hook (the node's teardown): the owners this API created, from memory
-            # (the state store is async and may be remote).
-            tenant = self.audit.owners.get(sandbox_id)
-            if tenant is None:
-                return  # not created through the API: no audit log to write to
-            t = self.tracked[sandbox_id] = _Tracked(tenant, DeniedTally(self.max_distinct))
+            t = _Tracked(tenant, DeniedTally(self.max_distinct))
+            await self._ingest(sandbox_id, t)
+            if not t.tally.total:
+                return  # no network or nothing refused: nothing to write
+            self.tracked[sandbox_id] = t
         if t.done:
             return
-        self._ingest(sandbox_id, t)
+        await self._ingest(sandbox_id, t)
         self._summarize(sandbox_id, t)

@@ -425,6 +425,7 @@ class SandboxService:
             assert self.forget_preempted is not None
             await self.forget_preempted(sandbox_id)
         else:
+            await self.audit.before_destroy(sandbox_id, tenant.name)
             await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
         await self.state.mark_dead([sandbox_id], time.time())

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 __all__ = ["DeniedAttempt", "NetAttachment", "NetworkManager"]
 
 
+RETIRED_MAX = 4096
+"""Detached sandboxes whose denied attempts stay readable (bounded: at most this many)."""
+
+
 class NetworkManager:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -43,6 +47,10 @@ class NetworkManager:
         self._slot_of: dict[str, int] = {}  # sandbox id -> slot
         self._attachments: dict[str, NetAttachment] = {}
         self._events: dict[str, collections.deque[DeniedAttempt]] = {}
+        # Attempts of detached sandboxes, most recent RETIRED_MAX kept: the API server (maybe on
+        # another machine) reads a sandbox's last attempts over the node protocol after its
+        # teardown, with no hook into this process.
+        self._retired: collections.OrderedDict[str, collections.deque[DeniedAttempt]] = collections.OrderedDict()
         self._cursor = 0
         # Microseconds at start, +1 per attempt: keeps increasing across node restarts, so
         # a reader resuming with denied_events(since_seq=...) never skips new attempts.
@@ -160,16 +168,28 @@ class NetworkManager:
         self._slot_of.pop(sandbox_id, None)
         self._owner.pop(idx, None)
         self._attachments.pop(sandbox_id, None)
-        self._events.pop(sandbox_id, None)
+        self._retire(sandbox_id)
+
+    def _retire(self, sandbox_id: str) -> None:
+        self._on_nflog()  # attempts logged up to the teardown belong to this sandbox
+        events = self._events.pop(sandbox_id, None)
+        if events:
+            self._retired[sandbox_id] = events
+            while len(self._retired) > RETIRED_MAX:
+                self._retired.popitem(last=False)
+
+    def knows(self, sandbox_id: str) -> bool:
+        """Attached now, or detached recently with attempts still retained."""
+        return sandbox_id in self._events or sandbox_id in self._retired
 
     async def reconcile(self, live_sandbox_ids: set[str]) -> int:
         return await self._reconcile(set(live_sandbox_ids))
 
     def denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
         """Denied attempts recorded so far with ``seq > since_seq`` (oldest first, at most
-        net_denied_log_max). Read them before ``detach``: detach forgets them."""
+        net_denied_log_max), also for a sandbox detached recently (the last RETIRED_MAX)."""
         self._on_nflog()
-        events = self._events.get(sandbox_id, ())
+        events = self._events.get(sandbox_id) or self._retired.get(sandbox_id, ())
         out: list[DeniedAttempt] = []
         for e in reversed(events):  # newest first: stop at the reader's resume point
             if e.seq <= since_seq:

@@ -190,14 +190,14 @@ class LocalNodeAgent:
             self._mark_cpu_base(sandbox_id)
         return info
 
-    def denied_network_attempts(self, sandbox_id: str, since_seq: int = 0) -> list[Any]:
-        """Same-process (sync) read for the audit log's teardown hook."""
-        net = self.manager.network
-        return net.denied_events(sandbox_id, since_seq) if net is not None else []
-
     async def network_denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
-        self.manager.get_record(sandbox_id)  # NotFound for an unknown id
-        return list(self.denied_network_attempts(sandbox_id, since_seq))
+        """Also after the sandbox is gone (its last attempts, kept a while by the network
+        manager): the API server reads them at teardown through this protocol only."""
+        net = self.manager.network
+        if net is None or not net.knows(sandbox_id):
+            self.manager.get_record(sandbox_id)  # NotFound for an unknown id
+            return []
+        return list(net.denied_events(sandbox_id, since_seq))
 
     # --- node views (usage, health, images) ---------------------------------------------
 

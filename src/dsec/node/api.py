@@ -214,7 +214,8 @@ class NodeAgent(Protocol):
     async def update_network(self, sandbox_id: str, allow: list[str]) -> SandboxInfo: ...
 
     async def network_denied_events(self, sandbox_id: str, since_seq: int = 0) -> list[DeniedAttempt]:
-        """Refused connection attempts with ``seq > since_seq`` (read them before destroy)."""
+        """Refused connection attempts with ``seq > since_seq``; still answered for a while
+        after the sandbox is destroyed (its last attempts), NotFound for an unknown id."""
 
     # --- checkpoints (capture runs where the sandbox is; the unit goes to the shared store) --
     async def checkpoint(self, sandbox_id: str, tenant: str) -> CheckpointInfo: ...

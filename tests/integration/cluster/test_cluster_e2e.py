@@ -118,8 +118,9 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
     `dsec serve --cluster` land on more than one node and name it; exec and files work on
     every node; an image held only by node n1 places its sandboxes on n1 (a create on
     another node would fail: the image is not there); a checkpoint taken on one node is
-    restored on another (shared store); the exec round trip is measured against a
-    single-node server."""
+    restored on another (shared store); connections a remote node's allow-list refused
+    reach the audit log through the node protocol; the exec round trip is measured
+    against a single-node server."""
     from dsec.api.launch import start_serve
 
     addr = cluster["address"]
@@ -153,6 +154,26 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
             assert r["stdout"] == "onlyb\n", r
             for o in only:
                 assert c.delete(f"/v1/sandboxes/{o['id']}").status_code == 204
+            # Network audit through the node protocol: attempts the allow-list refused on a
+            # remote node reach the sandbox's audit log, and the summary lands at the kill.
+            for _ in range(6):  # 429 while the box is busy (measured-load guard): retry as the SDK does
+                net_r = c.post("/v1/sandboxes", json={**SHAPE, "network": []})
+                if net_r.status_code != 429:
+                    break
+                time.sleep(float(net_r.headers.get("retry-after", "1")))
+            assert net_r.status_code == 201, net_r.text
+            net = net_r.json()
+            route = c.post(f"/v1/sandboxes/{net['id']}/exec", json={"cmd": "ip route"}).json()["stdout"]
+            gw = next(ln.split()[2] for ln in route.splitlines() if ln.startswith("default via"))
+            r = c.post(f"/v1/sandboxes/{net['id']}/exec",
+                       json={"cmd": f"for p in 9 9 10; do nc -w 1 {gw} $p </dev/null; done; echo done"}).json()
+            assert r["stdout"].strip() == "done", r
+            denied = [e for e in c.get(f"/v1/sandboxes/{net['id']}/audit").json() if e["kind"] == "network_denied"]
+            assert [(e["data"]["destination"], e["data"]["port"]) for e in denied] == [(gw, 9), (gw, 10)], denied
+            assert c.delete(f"/v1/sandboxes/{net['id']}").status_code == 204
+            summary = [e for e in c.get(f"/v1/sandboxes/{net['id']}/audit").json()
+                       if e["kind"] == "network_denied_summary"]
+            assert len(summary) == 1 and summary[0]["data"]["total"] == 3, summary
             # Checkpoint: captured on the sandbox's node, restored wherever the scheduler places it.
             src = c.post("/v1/sandboxes", json=SHAPE).json()
             assert c.put(f"/v1/sandboxes/{src['id']}/files", params={"path": "/work/state"},

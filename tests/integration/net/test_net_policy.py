@@ -161,3 +161,23 @@ def test_connection_limit_gvisor(lab: Lab, sandboxes, sandbox_exec) -> None:
     # The server answers "held" at once and keeps each connection 4 s.
     out = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
     assert out.count("held") == lab.settings.net_max_connections
+
+
+@pytest.mark.parametrize("tier", ["container"], indirect=True)
+def test_denied_attempts_stay_readable_after_destroy(lab: Lab, sandboxes, sandbox_exec) -> None:
+    """The API server reads a sandbox's last refused attempts over the node protocol after
+    the sandbox is gone (a TTL expiry, a kill from another server, a node across the
+    cluster: no in-process teardown hook reaches it), so ``network_denied_events`` keeps
+    answering for a destroyed sandbox; an id the node never had is still NotFound."""
+    from dsec.errors import NotFound
+
+    sid, att = sandboxes([f"{lab.a.addr}:8000"])
+    assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8001)
+    node = sandboxes.node
+    lab.call(node.destroy(sid))
+    sandboxes.by_slot.pop(att.slot)
+    after = lab.call(node.network_denied_events(sid))
+    assert (lab.a.addr, 8001, "tcp") in {(e.destination, e.port, e.protocol) for e in after}
+    assert lab.call(node.network_denied_events(sid, after[-1].seq)) == []
+    with pytest.raises(NotFound):
+        lab.call(node.network_denied_events("sb-never-was"))
