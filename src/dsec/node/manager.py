@@ -386,7 +386,7 @@ class SandboxManager:
                                                                   for ip in ips]) + "\n").encode()
                 try:
                     lowers = self._lowers.get(sandbox_id) or rs.lower_dirs_of(p.rootfs)
-                    times = await asyncio.get_running_loop().run_in_executor(rs.executor(), functools.partial(
+                    times = await asyncio.get_running_loop().run_in_executor(rs.executor(self.settings.node_reset_workers), functools.partial(
                         rs.reset_container, sandbox_id=sandbox_id, init_pid=info.pid, rootfs=p.rootfs,
                         scratch=p.scratch, lower_dirs=lowers, disk=info.disk, workdir=rec.workdir, hosts=hosts,
                         cgroup_parent=self.cgroup_parent, limits=(info.memory, info.cpu, info.pids)))
@@ -499,7 +499,7 @@ class SandboxManager:
 
         async def work() -> SandboxInfo:
             try:
-                times = await asyncio.get_running_loop().run_in_executor(rs.executor(), step)
+                times = await asyncio.get_running_loop().run_in_executor(rs.executor(self.settings.node_reset_workers), step)
                 await agent_clear_background(pn.socket)
             except BaseException as e:
                 reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
