@@ -83,10 +83,7 @@ async def set_timeout(sandbox_id: SandboxId, req: TimeoutRequest, ctx: Ctx) -> S
 async def reset(sandbox_id: SandboxId, ctx: Ctx) -> Response:
     svc, t = ctx.svc.sandboxes, ctx.tenant
     await svc._owned(t, sandbox_id)
-    reset_ = getattr(svc.node, "reset", None)
-    if reset_ is None:
-        raise InvalidArgument("this node cannot reset sandboxes; kill it and create a new one", field="sandbox_id")
-    info = await reset_(sandbox_id)
+    info = await svc.node.reset(sandbox_id)
     svc.audit.record(sandbox_id, t.name, "reset")
     return Response(info.model_dump_json(), media_type="application/json")  # skip re-validation: hot path
 
