@@ -322,8 +322,10 @@ class PlacementForwarder:
             try:
                 payload = r.json()
             except ValueError:
+                payload = None
+            if not isinstance(payload, dict):
                 payload = {"code": "transient", "message": f"leader {url} answered HTTP {r.status_code}"}
-            err = error_from_dict(payload if isinstance(payload, dict) else {}, r.status_code)
+            err = error_from_dict(payload, r.status_code)
             if isinstance(err, NotLeader):
                 await self.elector.wait_for_change(min(left, pause))
                 continue
