@@ -73,5 +73,11 @@ class TwoNodes:
         end = time.monotonic() + timeout
         while (row := node_row(http, node))["state"] != "ready":
             assert time.monotonic() < end, f"{node} did not come back: {row}; its ray start: {local._log_tail(p)}"
+            if p.poll() is not None:  # `ray start` gave up ("timed out during startup" on a loaded box): again
+                for pid in local._group(p.pid, self.c.temp_dir):  # what that attempt left (ours)
+                    os.kill(pid, signal.SIGKILL)
+                p = local._start_node(self.c, n, None, [])
+                n.pid = p.pid
+                local._write_state(self.base.resolve(), self.c)
             time.sleep(1)
         return row

@@ -28,6 +28,12 @@ _STEPS = [f"echo {i} >> /work/count && wc -l < /work/count && echo s{i} > /work/
     ["sleep 1.5 && echo 3 >> /work/count && wc -l < /work/count"] + \
     [f"echo {i} >> /work/count && wc -l < /work/count && cat /work/f{i - 4}" for i in range(4, 6)]
 _EP_SPEC = {"image": "busybox", "cpu": 0.5, "memory": "128M", "disk": "256M"}
+_POOL_SPEC = {"image": "busybox", "cpu": 0.25, "memory": "64M", "disk": "64M"}  # a shape of its own
+
+
+def _pool_ready(http: Any, shape: dict[str, Any]) -> int:
+    pools = http.get("/v1/pools").json()["pools"]
+    return sum(p["ready"] for p in pools if all(p[k] == v for k, v in shape.items()))
 
 
 def _step(http: Any, ep: str, epoch: int, i: int) -> dict[str, Any]:
@@ -58,7 +64,8 @@ def test_raylet_kill_is_lost_within_10s_resumed_elsewhere_then_reconciled(two_no
     files; the episode's in-flight call still answers 200 (resumed on n0 through the
     scheduler, the step run there once), two more steps follow, and its exported
     trajectory (command, exit code, stdout, fs digest per step) equals a fault-free run of
-    the same steps. n1 restarted rejoins, destroys everything it held (listed in
+    the same steps; a warm pool (floor 2) whose members were all on n1 is full again on n0
+    within 30 s (its full plan runs every 30 s: the loss itself triggers the rebuild). n1 restarted rejoins, destroys everything it held (listed in
     `reconciled`, cgroups gone) and is ready again. Times are printed (FIGURES)."""
     from test_cluster_e2e import SHAPE
 
@@ -74,10 +81,19 @@ def test_raylet_kill_is_lost_within_10s_resumed_elsewhere_then_reconciled(two_no
 
         # Two sandboxes and the episode on n1: n0 is drained while they are made (warm
         # members left on n0 by earlier tests of the shared cluster would take the creates).
+        # A warm pool floor of 2 of its own shape is built there too.
         assert http.post("/v1/nodes/n0/drain", json={}).status_code == 200
         try:
             made: list[dict] = [http.post("/v1/sandboxes", json=SHAPE).json() for _ in range(2)]  # type: ignore[type-arg]
             opened = http.post("/v1/episodes/ep-kill/open", json={"spec": _EP_SPEC})
+            r = http.put("/v1/pools", json={"spec": _POOL_SPEC, "size": 2})
+            assert r.status_code == 200, r.text
+            (mine,) = r.json()["pools"]
+            shape = {k: mine[k] for k in ("image", "isolation", "cpu", "memory", "disk", "network")}
+            end = time.monotonic() + 90
+            while _pool_ready(http, shape) < 2:
+                assert time.monotonic() < end, http.get("/v1/pools").text
+                time.sleep(0.2)
         finally:
             assert http.post("/v1/nodes/n0/undrain").status_code == 200
         assert [m.get("node") for m in made] == ["n1", "n1"], made
@@ -129,6 +145,11 @@ def test_raylet_kill_is_lost_within_10s_resumed_elsewhere_then_reconciled(two_no
         r = http.post(f"/v1/sandboxes/{saved['id']}/exec", json={"cmd": "cat /work/state"})
         assert r.status_code == 200 and r.json()["stdout"] == "step 7", r.text
         assert _node(http, "n1")["restored"] == {saved["id"]: "n0"}
+        # The pool's members died with n1: rebuilt on n0 (the only node left) at once.
+        while _pool_ready(http, shape) < 2:
+            assert time.monotonic() - t0 < 30, http.get("/v1/pools").text
+            time.sleep(0.2)
+        pool_back = time.monotonic() - t0
 
         # The episode: its in-flight step answered from n0, the rest follows there.
         stepper.join(90)
@@ -146,7 +167,8 @@ def test_raylet_kill_is_lost_within_10s_resumed_elsewhere_then_reconciled(two_no
                                      "heartbeat_gap_at_loss_s": row["lost_detect_s"],
                                      "raylet_kill_to_checkpointed_sandbox_running_on_n0_s": round(restored, 2),
                                      "raylet_kill_to_episode_running_on_n0_s": round(running_again, 2),
-                                     "raylet_kill_to_inflight_step_answered_s": round(answered, 2)}))
+                                     "raylet_kill_to_inflight_step_answered_s": round(answered, 2),
+                                     "raylet_kill_to_warm_pool_full_again_s": round(pool_back, 2)}))
         assert running_again <= 15, running_again
 
         # The node comes back: its `ray start` exited with its raylet; run it again.
@@ -162,3 +184,4 @@ def test_raylet_kill_is_lost_within_10s_resumed_elsewhere_then_reconciled(two_no
         assert not two_nodes.cgroups("n0", info["sandbox_id"])
         for m in (saved, fresh.json()):
             assert http.delete(f"/v1/sandboxes/{m['id']}").status_code == 204
+        assert http.put("/v1/pools", json={"spec": _POOL_SPEC, "size": 0}).status_code == 200
