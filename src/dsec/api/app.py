@@ -179,7 +179,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     # scope["route"] in the shared scope dict before the response completes.
     inner: ASGIApp = app.fastapi
     # RequestGuard: token checked and body capped before anything reads a body (issue 18 #5).
-    app.front = RequestMetrics(RequestGuard(HotPath(inner, services) if hot_path else inner, services),
+    app.front = RequestMetrics(RequestGuard(HotPath(inner, services, app.state) if hot_path else inner, services),
                                services.metrics)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app

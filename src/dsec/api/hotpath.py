@@ -1,6 +1,7 @@
 """A pure-ASGI fast path for the requests an RL trainer sends thousands of times a
-second: ``POST /v1/sandboxes/{sandbox_id}/exec`` and ``POST /v1/sandboxes`` (a create,
-most often a warm-pool hand-over whose budget is a few ms; issue 15), plus
+second: ``POST /v1/sandboxes/{sandbox_id}/exec``, ``POST /v1/sandboxes`` (a create,
+most often a warm-pool hand-over whose budget is a few ms; issue 15) and
+``DELETE /v1/sandboxes/{sandbox_id}`` (the end of every short episode), plus
 ``GET /health``, which probes must get through even when the server is busy.
 
 Why: profiling a trivial exec (py-spy on ``dsec serve``) showed FastAPI's generic
@@ -45,6 +46,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 log = logging.getLogger("dsec.api")
 
 _EXEC = re.compile(r"^/v1/sandboxes/([^/]+)/exec$")
+_ONE = re.compile(r"^/v1/sandboxes/([^/]+)$")
 _ID = re.compile(ID_PATTERN)
 _JSON = [(b"content-type", b"application/json")]
 
@@ -60,6 +62,7 @@ class _Route:
 
 _EXEC_ROUTE = _Route("/v1/sandboxes/{sandbox_id}/exec")
 _CREATE_ROUTE = _Route("/v1/sandboxes")
+_KILL_ROUTE = _Route("/v1/sandboxes/{sandbox_id}")
 _HEALTH_ROUTE = _Route("/health")
 
 
@@ -70,9 +73,10 @@ async def _reply(send: Send, status: int, body: bytes, headers: list[tuple[bytes
 
 
 class HotPath:
-    def __init__(self, app: ASGIApp, services: Services) -> None:
+    def __init__(self, app: ASGIApp, services: Services, app_state: Any = None) -> None:
         self.app = app
         self.svc = services
+        self.app_state = app_state  # the FastAPI app's state (its checkpoints, for a kill)
         self._slots = asyncio.Semaphore(services.settings.api_exec_slots)
         self._hold = services.settings.api_exec_slot_hold_s
 
@@ -88,6 +92,12 @@ class HotPath:
                 if path == "/v1/sandboxes":
                     scope["route"] = _CREATE_ROUTE
                     await self._create(scope, receive, send)
+                    return
+            elif method == "DELETE":
+                m = _ONE.match(path)
+                if m is not None:
+                    scope["route"] = _KILL_ROUTE
+                    await self._kill(m.group(1), scope, receive, send)
                     return
             elif method == "GET" and path == "/health":
                 scope["route"] = _HEALTH_ROUTE
@@ -125,6 +135,32 @@ class HotPath:
             return
         await _reply(send, 200, res.model_dump_json().encode())
 
+
+    async def _kill(self, sandbox_id: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """``DELETE /v1/sandboxes/{id}`` exactly as the FastAPI route answers it (204, no
+        body): an RL episode ends with one, as often as it starts (issue 15)."""
+        svc = self.svc
+        try:
+            tenant = await _tenant(svc, scope)
+            await _body(receive, svc.settings.api_max_json_bytes)
+            if not _ID.match(sandbox_id):
+                raise validation_error([{"loc": ("path", "sandbox_id"),
+                                         "msg": f"String should match pattern '{ID_PATTERN}'"}])
+            await svc.sandboxes.kill(tenant, sandbox_id)
+            ckpts = getattr(self.app_state, "checkpoints", None)
+            if ckpts is not None:  # a restored sandbox's base record is no longer needed
+                await ckpts.forget_sandbox(sandbox_id)
+        except DSecError as err:
+            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
+            return
+        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
+            log.exception("unhandled error on DELETE %s", scope["path"])
+            await _reply(send, 500, json.dumps({
+                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
+                "for details", "details": {}}).encode())
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/sandboxes`` exactly as the FastAPI route answers it (201 + SandboxInfo)."""

@@ -8,6 +8,7 @@ import httpx
 from api_env import make_env
 
 from dsec.api.app import create_app
+from dsec.api.hotpath import HotPath
 
 
 async def test_hot_path_matches_fastapi_routes(tmp_path: Path) -> None:
@@ -143,5 +144,42 @@ async def test_hot_path_create_matches_fastapi_route(tmp_path: Path) -> None:
             assert answers[0] == answers[1], (headers, kw, answers)
             statuses.append(answers[0][0])
         assert statuses == [201, 401, 401, 422, 422, statuses[5], 404, 422]
+    finally:
+        await env.services.close()
+
+
+async def test_hot_path_kill_matches_fastapi_route(tmp_path: Path) -> None:
+    """``DELETE /v1/sandboxes/{id}`` on the fast path (issue 15: every short episode ends
+    with one) answers exactly what the FastAPI route answers: 204 with no body, 401, 422
+    for a malformed id, 404 for an unknown one or another tenant's; and it does kill."""
+    env = await make_env(tmp_path)
+    try:
+        ref = create_app(env.services, manage_lifecycle=False, hot_path=False)
+        tok = {"authorization": f"Bearer {env.alice_token}"}
+        fast_t, ref_t = env.alice._transport, httpx.ASGITransport(app=ref)
+        statuses = []
+        for transport in (fast_t, ref_t):
+            sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+            bobs = (await env.bob.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+            answers = []
+            async with httpx.AsyncClient(transport=transport, base_url="http://dsec") as c:
+                for headers, sid in (({}, sb["id"]), ({"authorization": "Bearer nope"}, sb["id"]),
+                                     (tok, "bad$id"), (tok, "sb-unknown"), (tok, bobs["id"]), (tok, sb["id"])):
+                    r = await c.delete(f"/v1/sandboxes/{sid}", headers=headers)
+                    body = r.json() if r.content else None
+                    answers.append((r.status_code, body and body.get("code"), r.content == b""))
+            assert (await env.alice.get(f"/v1/sandboxes/{sb['id']}")).status_code == 404  # it is gone
+            assert (await env.bob.get(f"/v1/sandboxes/{bobs['id']}")).status_code == 200  # bob's is not
+            statuses.append(answers)
+        assert statuses[0] == statuses[1], statuses
+        assert [a[0] for a in statuses[0]] == [401, 401, 422, 404, 404, 204] and statuses[0][-1][2]
+
+        async def not_fastapi(scope: object, receive: object, send: object) -> None:
+            raise AssertionError("the kill went through the FastAPI stack")
+
+        sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=HotPath(not_fastapi, env.services)),
+                                     base_url="http://dsec") as c:
+            assert (await c.delete(f"/v1/sandboxes/{sb['id']}", headers=tok)).status_code == 204
     finally:
         await env.services.close()
