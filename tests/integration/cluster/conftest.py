@@ -1,7 +1,8 @@
 """One real local 2-node Ray cluster (n0, n1; busybox; real runc) with a `dsec serve
---cluster` over it, shared by the drain and node-loss tests of this package (starting a
-cluster costs ~30 s). Tests that change node states leave them ready: a drained node is
-undrained, a killed node is restarted and waited for."""
+--cluster` over it, per module that asks for it (test_node_loss.py: its drain and
+node-loss tests share it; starting a cluster costs ~30 s). Module scope, not package:
+the cluster is gone before the next module starts its own. Tests that change node states
+leave them ready: a drained node is undrained, a killed node is restarted and waited for."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from cluster_nodes import TwoNodes
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     pytest.importorskip("ray")
     from dsec.api.launch import start_serve
