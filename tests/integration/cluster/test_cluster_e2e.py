@@ -3,7 +3,7 @@
 `dsec cluster up --nodes 3 --json` -> `dsec node ls --json` -> `dsec serve --cluster`:
 sandboxes created through the API spread over the nodes (each info names its node), exec
 and files work through the cluster; exec round trip and create -> first exec are measured
-against a single-node `dsec serve` in the same run (printed; see the issue note);
+against a single-node `dsec serve` in the same run, taking turns (printed; see the issue note);
 `dsec cluster down` leaves no process, run dir or cgroup behind.
 """
 
@@ -55,27 +55,42 @@ def _timed_execs(c: httpx.Client, sid: str, n: int) -> list[float]:
     return out
 
 
-def _measure(url: str, token: str, n: int = 100) -> dict[str, float]:
-    """exec round trip (p50/mean ms over n, after 10 warm-up) and create -> first exec (ms, median of 5,
-    after 2 warm-up creates: the first create of a fresh server pays one-time costs)."""
-    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=120) as c:
-        for _ in range(2):
-            c.delete(f"/v1/sandboxes/{c.post('/v1/sandboxes', json=SHAPE).json()['id']}")
-        firsts = []
-        ids = []
+def _measure(servers: dict[str, tuple[str, str]], n: int = 100) -> dict[str, dict[str, float]]:
+    """Per server (name -> (url, token)): exec round trip (p50/mean ms over n, after 10
+    warm-up) and create -> first exec (ms, median of 5, after 2 warm-up creates: the first
+    create of a fresh server pays one-time costs). The servers take turns (a create each,
+    then execs in rounds of 10), so load on the shared box hits both alike."""
+    clients = {k: httpx.Client(base_url=url, headers={"authorization": f"Bearer {tok}"}, timeout=120)
+               for k, (url, tok) in servers.items()}
+    firsts: dict[str, list[float]] = {k: [] for k in clients}
+    ids: dict[str, list[str]] = {k: [] for k in clients}
+    ts: dict[str, list[float]] = {k: [] for k in clients}
+    try:
+        for c in clients.values():
+            for _ in range(2):
+                c.delete(f"/v1/sandboxes/{c.post('/v1/sandboxes', json=SHAPE).json()['id']}")
         for _ in range(5):
-            t0 = time.perf_counter()
-            info = c.post("/v1/sandboxes", json=SHAPE).json()
-            r = c.post(f"/v1/sandboxes/{info['id']}/exec", json={"cmd": "echo hi"})
-            firsts.append(time.perf_counter() - t0)
-            assert r.status_code == 200, r.text
-            ids.append(info["id"])
-        _timed_execs(c, ids[0], 10)
-        ts = _timed_execs(c, ids[0], n)
-        for sid in ids:
-            c.delete(f"/v1/sandboxes/{sid}")
-    return {"exec_p50_ms": round(statistics.median(ts) * 1000, 2), "exec_mean_ms": round(statistics.mean(ts) * 1000, 2),
-            "create_first_exec_ms": round(statistics.median(firsts) * 1000, 1)}
+            for k, c in clients.items():
+                t0 = time.perf_counter()
+                info = c.post("/v1/sandboxes", json=SHAPE).json()
+                r = c.post(f"/v1/sandboxes/{info['id']}/exec", json={"cmd": "echo hi"})
+                firsts[k].append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+                ids[k].append(info["id"])
+        for k, c in clients.items():
+            _timed_execs(c, ids[k][0], 10)
+        for _ in range(n // 10):
+            for k, c in clients.items():
+                ts[k] += _timed_execs(c, ids[k][0], 10)
+        for k, c in clients.items():
+            for sid in ids[k]:
+                c.delete(f"/v1/sandboxes/{sid}")
+    finally:
+        for c in clients.values():
+            c.close()
+    return {k: {"exec_p50_ms": round(statistics.median(ts[k]) * 1000, 2),
+                "exec_mean_ms": round(statistics.mean(ts[k]) * 1000, 2),
+                "create_first_exec_ms": round(statistics.median(firsts[k]) * 1000, 1)} for k in clients}
 
 
 def _leftovers(tag: str) -> list[str]:
@@ -120,7 +135,7 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
     another node would fail: the image is not there); a checkpoint taken on one node is
     restored on another (shared store); connections a remote node's allow-list refused
     reach the audit log through the node protocol; the exec round trip is measured
-    against a single-node server."""
+    against a single-node server running at the same time (they take turns)."""
     from dsec.api.launch import start_serve
 
     addr = cluster["address"]
@@ -192,22 +207,22 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
             assert {x["node"] for x in restored} - {src["node"]}, (src, restored)  # restored on another node
             for x in restored:
                 assert c.delete(f"/v1/sandboxes/{x['id']}").status_code == 204
-        cluster_fig = _measure(srv.url, srv.token)
+        single_home = tmp_path / "single"
+        from dsec.config import Settings
+        from dsec.images import ImageStore
+        from dsec.images.stock import ensure_stock
+        ensure_stock(ImageStore(single_home / "images", Settings(home=single_home)), only=["busybox"],
+                     log=lambda _: None)
+        one = start_serve(single_home, timeout=240)
+        try:
+            figs = _measure({"cluster": (srv.url, srv.token), "single": (one.url, one.token)})
+        finally:
+            one.proc.terminate()
+            one.proc.wait(60)
     finally:
         srv.proc.terminate()
         srv.proc.wait(60)
-
-    single_home = tmp_path / "single"
-    from dsec.config import Settings
-    from dsec.images import ImageStore
-    from dsec.images.stock import ensure_stock
-    ensure_stock(ImageStore(single_home / "images", Settings(home=single_home)), only=["busybox"], log=lambda _: None)
-    one = start_serve(single_home, timeout=240)
-    try:
-        single_fig = _measure(one.url, one.token)
-    finally:
-        one.proc.terminate()
-        one.proc.wait(60)
+    cluster_fig, single_fig = figs["cluster"], figs["single"]
     figures = {"cluster_3_nodes": cluster_fig, "single_node": single_fig,
                "exec_ratio_p50": round(cluster_fig["exec_p50_ms"] / single_fig["exec_p50_ms"], 2),
                "create_first_exec_ratio": round(cluster_fig["create_first_exec_ms"]
