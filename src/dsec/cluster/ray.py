@@ -105,6 +105,17 @@ def parse_address(address: str) -> str:
     return addr
 
 
+def _plain_asyncio_policy() -> None:
+    """Ray installs uvloop's policy in every worker; pyroute2 (sandbox networking) opens
+    its own loops with ``asyncio.new_event_loop()`` and hands them netlink sockets, which
+    uvloop refuses ("cannot open a UDP handle, invalid family 16": every create with a
+    network policy failed on a Ray node). Loops made from now on are plain asyncio; the
+    actor's running loop is left as it is."""
+    policy = asyncio.get_event_loop_policy()
+    if type(policy).__module__.split(".")[0] == "uvloop":
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+
+
 class NodeAgentServer:
     """What runs inside the actor: a node agent (real or fake) behind a generic dispatcher.
 
@@ -116,6 +127,7 @@ class NodeAgentServer:
 
         settings = load_settings(**(overrides or {}))
         self.settings = settings
+        _plain_asyncio_policy()
         if kind == "local":
             from dsec.node.agent import LocalNodeAgent
             self.agent: Any = LocalNodeAgent(settings)

@@ -195,3 +195,20 @@ async def test_driver_builds_a_restore_on_the_node_it_placed(tmp_path: Path) -> 
         assert await fakes[info.node].read_file(info.id, "/w") == b"7"  # type: ignore[index]
     finally:
         await d.close()
+
+
+def test_agent_server_makes_new_loops_plain_asyncio(tmp_path: Path) -> None:
+    """Ray workers run with uvloop's policy; the node agent (pyroute2 opens its own loops on
+    netlink sockets, which uvloop refuses) must get plain asyncio loops there."""
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        NodeAgentServer("fake", {"home": tmp_path, "node_id": "f1"})
+        loop = asyncio.new_event_loop()
+        assert type(loop).__module__.startswith("asyncio"), type(loop)
+        loop.close()
+    finally:
+        asyncio.set_event_loop_policy(before)
