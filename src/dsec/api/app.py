@@ -170,7 +170,7 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
             app.state.checkpoints = ClusterCheckpoints(services.settings, open_checkpoint_store(services.settings),
                                                        services.node)
             # Episodes: placed by the scheduler, run on their node, resumed elsewhere after a loss.
-            from dsec.cluster.episodes import install_cluster_episodes
+            from dsec.api.episodes import install_cluster_episodes
             app.state.episodes = install_cluster_episodes(app, services)
     # Routing is a linear scan: the per-tool-call paths go first (no two routes share a
     # method and a matching path, so order does not change which route answers).

@@ -149,3 +149,18 @@ def install_episodes(app: FastAPI, services: Any) -> EpisodeEngine:
     engine = EpisodeEngine(s, store, NodeEpisodeHost(services.node, services.sandboxes), state=services.state)
     include_episodes(app, engine)
     return engine
+
+
+def install_cluster_episodes(app: FastAPI, services: Any) -> Any:
+    """The routes over a cluster (``dsec serve --cluster``): episodes are placed by the
+    scheduler, run on their node and resumed elsewhere after a loss
+    (dsec.cluster.episodes.ClusterEpisodes, the engine's interface for these routes)."""
+    from dsec.blobs import open_checkpoint_store
+    from dsec.cluster.episodes import ClusterEpisodes
+
+    eps = ClusterEpisodes(services.settings, open_checkpoint_store(services.settings), services.node, services)
+    hb = getattr(services.node, "heartbeats", None)
+    if hb is not None:
+        hb.episodes = eps  # node lost -> its episodes resume elsewhere
+    include_episodes(app, eps)  # type: ignore[arg-type]
+    return eps

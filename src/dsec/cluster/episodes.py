@@ -279,16 +279,3 @@ class ClusterEpisodes:
         for key in keys:
             await asyncio.to_thread(self.store.delete, key)
         return len({k.split("/")[1] for k in keys})
-
-
-def install_cluster_episodes(app: Any, services: Any) -> ClusterEpisodes:
-    """Mount the episode routes over the cluster (``create_app`` under ``dsec serve --cluster``)."""
-    from dsec.api.episodes import include_episodes
-    from dsec.blobs import open_checkpoint_store
-
-    eps = ClusterEpisodes(services.settings, open_checkpoint_store(services.settings), services.node, services)
-    hb = getattr(services.node, "heartbeats", None)
-    if hb is not None:
-        hb.episodes = eps  # node lost -> its episodes resume elsewhere
-    include_episodes(app, eps)  # type: ignore[arg-type]
-    return eps
