@@ -156,24 +156,43 @@ class SchedulerDriver:
         for node_id, agent in self.agents.items():
             try:
                 await agent.raise_fence(token)
-            except LeaderFenced:
-                raise  # a newer leader already acted there: this term is over before it began
+            except LeaderFenced as e:
+                # The node saw a higher token than the store's (the store was wiped or
+                # replaced under live nodes; a live rival would hold the lease, not us):
+                # lift ours above it, keeping the lease.
+                lifted = await self.leader.lift(int(e.details.get("highest", token)) + 1) if self.leader else None
+                if lifted is None:
+                    raise
+                token = lifted
+                await agent.raise_fence(token)
             except Exception:  # noqa: BLE001 - a node that cannot answer is fenced at our first call
                 log.exception("raising the scheduler fence on %s failed", node_id)
+        stray: dict[str, list[str]] = {}
         for node_id, agent in self.agents.items():
             listed_at = self.clock()
             try:
-                live = {i.id for i in await agent.list()}
+                infos = await agent.list()
             except Exception:  # noqa: BLE001 - judged again by the periodic node sync
                 log.exception("listing %s for the new leader's view failed", node_id)
                 continue
-            self.sched.sync_node(node_id, live, listed_at)
-            await self._adopt(node_id, agent, fence=token)
+            self.sched.sync_node(node_id, {i.id for i in infos}, listed_at)
+            await self._adopt(node_id, agent, fence=token, infos=infos, stray=stray.setdefault(node_id, []))
         if self.book is not None:
             await self._load_preempted(token)
             await self._sync_book()
         self._view_token = token
         self._wake.set()
+        # The previous leader's idle pool members go after placements resumed (each destroy
+        # is a node round trip; a burst must not wait for them).
+        for node_id, ids in stray.items():
+            for sid in ids:
+                self._spawn(self._destroy_stray(node_id, sid, token))
+
+    async def _destroy_stray(self, node_id: str, sandbox_id: str, token: int) -> None:
+        try:
+            await self.agents[node_id].destroy(sandbox_id, fence=token)
+        except Exception:  # noqa: BLE001 - a later takeover or the node's reaper gets it
+            log.warning("destroying the previous leader's pool member %s failed", sandbox_id, exc_info=True)
 
     async def _load_preempted(self, token: int) -> None:
         """Queue again the resumption of every preempted sandbox the store still records
@@ -259,13 +278,18 @@ class SchedulerDriver:
         if self.forwarder is not None:
             await self.forwarder.close()
 
-    async def _adopt(self, node_id: str, agent: NodeAgent, fence: int | None = None) -> None:
+    async def _adopt(self, node_id: str, agent: NodeAgent, fence: int | None = None,
+                     infos: list[SandboxInfo] | None = None, stray: list[str] | None = None) -> None:
         """Account the sandboxes a node already runs (a restart adopted them); pool members
-        left by a crash (or a previous leader) are destroyed, since pools are rebuilt from demand."""
+        left by a crash (or a previous leader) are destroyed, since pools are rebuilt from
+        demand (or listed in ``stray``, for the caller to destroy later)."""
         now = self.clock()
-        for info in await agent.list():
+        for info in infos if infos is not None else await agent.list():
             if info.labels.get(POOL_LABEL) == "1" and info.state.value == "ready":
-                await agent.destroy(info.id, fence=fence)
+                if stray is not None:
+                    stray.append(info.id)
+                else:
+                    await agent.destroy(info.id, fence=fence)
                 continue
             left = None
             if info.started_at is not None:

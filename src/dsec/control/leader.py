@@ -221,6 +221,18 @@ class LeaderElector:
             await self._elected(lease, sent, previous)
             return True
 
+    async def lift(self, min_token: int) -> int | None:
+        """A node already saw a token >= ours (a store wiped or replaced under live nodes):
+        lift this term's token to ``min_token`` (the lease stays ours). None if we lost it."""
+        sent = self.clock()
+        lease = await self.state.lease_takeover(LEASE_NAME, self.holder, self.holder, self.s.scheduler_lease_ttl_s,
+                                                sent, min_token)
+        if lease is None:
+            return None
+        self.token, self._renewed_sent_at = lease.token, sent
+        log.warning("scheduler fencing token lifted to %d (a node had seen a higher one)", lease.token)
+        return lease.token
+
     def fenced(self, why: str) -> None:
         """A node refused this server's token: a newer leader exists, whatever our clock says."""
         if self.token is not None:

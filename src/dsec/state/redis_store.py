@@ -109,11 +109,11 @@ end
 redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'expires_at', ARGV[3])
 return token
 """
-# KEYS: lease; ARGV: holder, from_holder, expires_at
+# KEYS: lease; ARGV: holder, from_holder, expires_at, min_token
 _LEASE_TAKEOVER = """
 local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
 if not cur[1] or cur[1] ~= ARGV[2] then return false end
-local token = tonumber(cur[2]) + 1
+local token = math.max(tonumber(cur[2]) + 1, tonumber(ARGV[4]))
 redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'expires_at', ARGV[3])
 return token
 """
@@ -157,12 +157,20 @@ def _guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     return wrapper
 
 
+REDIS_MAX_CONNECTIONS = 100  # per API server: Redis answers each call in well under a ms
+
+
 class RedisStateStore:
     def __init__(self, url: str, *, prefix: str = "dsec:", timeout_s: float = 2.0, retry_after: float = 1.0) -> None:
         self.url, self.prefix, self.retry_after = redacted(url), prefix, retry_after
         # Short timeouts: a request must answer 503 quickly when Redis is gone, not hang.
-        self._r = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                          decode_responses=True, retry_on_timeout=False)
+        # A blocking pool: past REDIS_MAX_CONNECTIONS calls in flight a call waits (up to
+        # timeout_s) for a free connection; the default pool failed it at once with
+        # "Too many connections" (a bulk kill of 200 sandboxes answered 503 for some).
+        self._pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=REDIS_MAX_CONNECTIONS, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, decode_responses=True, retry_on_timeout=False)
+        self._r = aioredis.Redis(connection_pool=self._pool)
         self._scripts = {name: self._r.register_script(src) for name, src in (
             ("put_tenant", _PUT_TENANT), ("by_token", _BY_TOKEN), ("del_tenant", _DEL_TENANT),
             ("idem_reserve", _IDEM_RESERVE), ("idem_complete", _IDEM_COMPLETE), ("record_sb", _RECORD_SB),
@@ -191,6 +199,7 @@ class RedisStateStore:
 
     async def close(self) -> None:
         await self._r.aclose()
+        await self._pool.disconnect()
 
     @_guarded
     async def schema_version(self) -> int | None:
@@ -351,8 +360,9 @@ class RedisStateStore:
 
     @_guarded
     async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
-                             now: float) -> Lease | None:
-        token = await self._script("lease_takeover", [self._k("lease", name)], [holder, from_holder, repr(now + ttl_s)])
+                             now: float, min_token: int = 0) -> Lease | None:
+        token = await self._script("lease_takeover", [self._k("lease", name)],
+                                   [holder, from_holder, repr(now + ttl_s), str(min_token)])
         return Lease(name=name, holder=holder, token=int(token), expires_at=now + ttl_s) if token else None
 
     @_guarded

@@ -279,12 +279,13 @@ class SqliteDB:
                        (name, holder, token, now + ttl_s))
         return Lease(name=name, holder=holder, token=token, expires_at=now + ttl_s)
 
-    def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float, now: float) -> Lease | None:
+    def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float, now: float,
+                       min_token: int = 0) -> Lease | None:
         with self._tx() as db:
             row = db.execute("SELECT holder, token FROM leases WHERE name=?", (name,)).fetchone()
             if row is None or row[0] != from_holder:
                 return None
-            token = row[1] + 1
+            token = max(row[1] + 1, min_token)
             db.execute("UPDATE leases SET holder=?, token=?, expires_at=? WHERE name=?",
                        (holder, token, now + ttl_s, name))
         return Lease(name=name, holder=holder, token=token, expires_at=now + ttl_s)
@@ -414,8 +415,8 @@ class SqliteStateStore:
         return await self._run(self.db.lease_get, name)
 
     async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
-                             now: float) -> Lease | None:
-        return await self._run(self.db.lease_takeover, name, holder, from_holder, ttl_s, now)
+                             now: float, min_token: int = 0) -> Lease | None:
+        return await self._run(self.db.lease_takeover, name, holder, from_holder, ttl_s, now, min_token)
 
     async def lease_release(self, name: str, holder: str) -> bool:
         return await self._run(self.db.lease_release, name, holder)

@@ -129,10 +129,11 @@ class StateStore(Protocol):
         A new holder gets token = previous token + 1; a renewal keeps its token."""
 
     async def lease_takeover(self, name: str, holder: str, from_holder: str, ttl_s: float,
-                             now: float) -> Lease | None:
+                             now: float, min_token: int = 0) -> Lease | None:
         """Take ``name`` from ``from_holder`` now, expired or not (its process is known to be
-        gone: its port refuses connections); the token grows. None if the lease is no longer
-        ``from_holder``'s (someone else took it first)."""
+        gone: its port refuses connections); the token grows, to at least ``min_token``
+        (a holder taking it from itself lifts its token above a fence some node already
+        saw, e.g. after the store was wiped). None if the lease is no longer ``from_holder``'s."""
 
     async def lease_get(self, name: str) -> Lease | None: ...
     async def lease_release(self, name: str, holder: str) -> bool: ...

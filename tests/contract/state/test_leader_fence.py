@@ -223,3 +223,18 @@ async def test_takeover_from_a_dead_leader_is_a_compare_and_set(store: StateStor
         assert d.leading() and d.leader.token == 3 and node.fence.highest == 3  # type: ignore[union-attr]
     finally:
         await d.close()
+
+
+async def test_a_wiped_store_does_not_lock_the_leader_out_of_its_nodes(store: StateStore) -> None:
+    """The nodes keep the highest token they saw (across restarts); a state store that was
+    wiped starts the lease at 1. The new leader lifts its token above the node's and leads
+    (before: every placement would be refused as from a deposed leader)."""
+    node = FakeNodeAgent(node_id="n0", isolation=("container",))
+    node.fence.check(7, "a leader of the store's previous life")
+    d = await _server(store, node, Clock(), "http://a")
+    try:
+        assert d.leading() and d.leader.token == 8 and node.fence.highest == 8  # type: ignore[union-attr]
+        assert (await store.lease_get(LEASE_NAME)).token == 8  # type: ignore[union-attr]
+        assert (await d.place_here(_spec("r"), "sb-1", "t1")).id == "sb-1"
+    finally:
+        await d.close()

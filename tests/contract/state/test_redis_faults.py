@@ -44,3 +44,21 @@ async def test_lost_while_running_then_recovers(redis_srv: RedisServer) -> None:
     assert await st.get_doc("pool", "p") == {"n": 1}
     assert await st.claim_episode("k") == 1
     await st.close()
+
+
+async def test_many_calls_at_once_wait_for_a_connection(redis_srv: RedisServer) -> None:
+    """More calls in flight than the connection pool holds (a bulk kill of 200 sandboxes
+    makes ~3 state calls each) all succeed: they queue for a connection. Before, the
+    default pool failed the excess at once ("Too many connections" -> 503)."""
+    import asyncio
+
+    from dsec.state.redis_store import REDIS_MAX_CONNECTIONS
+
+    st = RedisStateStore(redis_srv.url, prefix="burst:", timeout_s=2.0)
+    await st.open()
+    try:
+        got = await asyncio.gather(*(st.list_docs("pool") for _ in range(3 * REDIS_MAX_CONNECTIONS)),
+                                   return_exceptions=True)
+        assert [g for g in got if isinstance(g, BaseException)] == []
+    finally:
+        await st.close()
