@@ -220,16 +220,19 @@ class Scheduler:
 
     def take_warm_now(self, request_id: str, now: float) -> Placement | None:
         """Hand a queued request a warm member at once, skipping the batch window: the
-        common path must not wait 50 ms for a decision that is a list pop. Only when no
-        other queued request wants the same shape (they came first) and the queue is small
-        (a burst goes through batching and fair share as usual)."""
+        common path must not wait 50 ms for a decision that is a list pop. Only when the
+        members left still cover the queued requests of the same shape (they came first)
+        and the queue is small (a burst goes through batching and fair share as usual)."""
         req = self.pending.get(request_id)
         if req is None or self.pools is None or req.cold or len(self.pending) > self.s.warm_fast_path_max_queue:
             return None
         shape = req.shape
-        if any(r.shape == shape for rid, r in self.pending.items() if rid != request_id):
-            return None
-        if not self.pools.free.get(shape):
+        # Requests of the shape queued ahead came first: go ahead of them only while enough
+        # members remain for every one of them (the next batch hands those out). Without
+        # this, one request that found the pool empty for a moment held every later one
+        # of its shape back to the next batch (an RL loop's creates, issue 15).
+        ahead = sum(1 for rid, r in self.pending.items() if rid != request_id and r.shape == shape)
+        if len(self.pools.free.get(shape, ())) <= ahead:
             return None
         taken = self.pools.take(req)
         if taken is None or not self.queues.remove(req):

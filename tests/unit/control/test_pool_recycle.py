@@ -83,3 +83,19 @@ def test_declared_floor_takes_room_from_demand_driven_members() -> None:
     assert kinds.count("pool") == 2 and kinds.count("destroy") >= 1, kinds
     b = req("b", cpu=0.25).shape
     assert len(s.pools.free[b]) == 2  # type: ignore[union-attr]
+
+
+def test_warm_fast_path_goes_ahead_only_with_members_to_spare() -> None:
+    """One request of a shape waiting for the next batch no longer holds back every later
+    request of that shape while the pool has members for all of them; with exactly as
+    many members as requests waiting ahead, the later one still waits its turn."""
+    s = sched(pools=True)
+    s.set_pool_floor(req("shape"), 3)
+    place_all(s, 0.05)
+    s.submit(req("b"), 1.0)  # queued: its own fast path did not run (e.g. the pool was empty then)
+    s.submit(req("c"), 1.0)
+    p = s.take_warm_now("c", 1.0)
+    assert p is not None and p.kind == "warm" and s.ticket("b").state == "queued"
+    s.submit(req("d"), 1.1)
+    s.submit(req("e"), 1.1)
+    assert s.take_warm_now("e", 1.1) is None  # 2 members left, b and d ahead of it
