@@ -47,6 +47,7 @@ def test_bench_cluster_places_through_the_driver_on_both_sides(tmp_path: Path) -
         assert x["placements"] == 60 and x["held_by_agents"] == 60 and x["missing"] == [], (side, x)
         assert x["per_s"] > 0 and x["latency_ms"]["p50"] > 0 and x["nodes"] == 3, (side, x)
         assert x["scheduler_stats"]["failed"] == 0, (side, x)
+        assert x["driver_cpu_ms_per_placement"] > 0 and x["per_s_per_driver_core"] > 0, (side, x)
     ray, calls = report["ray"], report["ray_actor_calls"]
     assert ray["actor_processes"] == 3
     assert ray["transport"].startswith("direct ") and not ray["transport"].startswith("direct 0 "), ray
