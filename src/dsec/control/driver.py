@@ -106,7 +106,8 @@ class SchedulerDriver:
         # Records a new leader needs (owner leases, pool floors, preemptions): the state
         # store (dsec.control.book); None = memory only (in-process use without a store).
         self.book: ControlBook | None = None
-        self._floors_applied: dict[str, int] = {}
+        self._floors_applied: dict[str, int] = {}  # floor_key -> size, as this scheduler applies it
+        self._floor_specs: dict[str, SandboxSpec] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def attach_leader(self, elector: LeaderElector, forwarder: PlacementForwarder | None) -> None:
@@ -235,8 +236,11 @@ class SchedulerDriver:
                 if self._floors_applied.get(floor_key(f.spec)) != f.size:
                     self._set_floor(f.spec, f.size)
             for key in set(self._floors_applied) - set(want):
-                log.info("pool floor %s was removed on another server", key)
+                spec = self._floor_specs.pop(key, None)
+                if spec is not None and self._floors_applied.get(key):
+                    self._set_floor(spec, 0)  # removed on another server
             self._floors_applied = want
+            self._floor_specs.update({floor_key(f.spec): f.spec for f in floors})
 
     def _step_down(self) -> None:
         """Deposed: decide nothing more. Queued requests are withdrawn and their callers
@@ -494,7 +498,6 @@ class SchedulerDriver:
         """Keep ``size`` warm sandboxes of ``spec``'s shape ready (0 = demand-driven only)."""
         shape = self._set_floor(spec, size)
         if self.book is not None:  # the leader (now or a later one) keeps it
-            self._floors_applied[floor_key(spec)] = size
             self._spawn(self._logged(self.book.set_floor(spec, size), "recording a pool floor"))
         return self.pool_status(shape)
 

@@ -171,6 +171,10 @@ async def test_control_records_outlive_the_leader(store: StateStore) -> None:
         try:
             await c._sync_book()
             assert 2 in c.sched.pools.demand.floors.values()  # type: ignore[union-attr]
+            b.set_pool(floor, 0)  # removed on another server: gone here too
+            await asyncio.sleep(0.05)
+            await c._sync_book()
+            assert not any(c.sched.pools.demand.floors.values())  # type: ignore[union-attr]
         finally:
             await c.close()
     finally:
