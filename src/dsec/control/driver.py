@@ -40,7 +40,7 @@ from dsec.control.convert import (
 )
 from dsec.control.overcommit import refusal_reason
 from dsec.control.scheduler import Scheduler
-from dsec.control.types import Placement, Request, Running, Ticket
+from dsec.control.types import Placement, Request, Running, Shape, Ticket
 from dsec.errors import (
     Forbidden,
     ImageError,
@@ -564,7 +564,16 @@ class SchedulerDriver:
             self.sched.on_failed(req.request_id, self.clock(), str(e), retriable=False)
         else:
             self.sched.on_created(req.request_id, info.id, self.clock())
+            self._serve_waiting(req.shape)
         self._wake.set()
+
+    def _serve_waiting(self, shape: Shape) -> None:
+        """A member of ``shape`` is ready: hand it to the earliest request of that shape
+        queued for it now, not at the next batch (up to a batch window later)."""
+        rid = self.sched.first_waiting(shape)
+        fast = self.sched.take_warm_now(rid, self.clock()) if rid is not None else None
+        if fast is not None:
+            self._spawn(self._execute(fast))
 
     async def _cpu_used(self, node_id: str, r: Running | None) -> float | None:
         """A task-typed sandbox's mean CPU use, read just before it goes (right-sizing)."""
@@ -837,6 +846,8 @@ class SchedulerDriver:
         self.sched.on_created(req.request_id, info.id, now)
         if p.kind != "pool":
             self._resolve(req.request_id, info)
+        else:
+            self._serve_waiting(req.shape)
 
     def _requeue(self, req: Request) -> None:
         """Submit again a request whose warm hand-over failed (its waiter keeps waiting)."""

@@ -23,7 +23,7 @@ from dsec.control.preemption import select_victims
 from dsec.control.retry import RetryBudget, should_retry
 from dsec.control.rightsize import RightSizer
 from dsec.control.tenants import Quota, TenantQueues
-from dsec.control.types import HIGH, LOW, MEDIUM, Image, Node, Placement, Request, Running, Ticket
+from dsec.control.types import HIGH, LOW, MEDIUM, Image, Node, Placement, Request, Running, Shape, Ticket
 from dsec.errors import InvalidArgument, NotFound, Overloaded
 
 KNOWN_TIERS = frozenset({"container", "gvisor"})
@@ -227,8 +227,9 @@ class Scheduler:
         if req is None or self.pools is None or req.cold or len(self.pending) > self.s.warm_fast_path_max_queue:
             return None
         shape = req.shape
-        # Requests of the shape queued ahead came first: go ahead of them only while enough
-        # members remain for every one of them (the next batch hands those out). Without
+        # Other requests of the shape queued came first, or the batch orders them (priority,
+        # fair share): go ahead only while enough members remain for every one of them (the
+        # next batch hands those out). Without
         # this, one request that found the pool empty for a moment held every later one
         # of its shape back to the next batch (an RL loop's creates, issue 15).
         ahead = sum(1 for rid, r in self.pending.items() if rid != request_id and r.shape == shape)
@@ -242,6 +243,13 @@ class Scheduler:
             return None
         self.stats["warm_hits"] += 1
         return self._commit_warm(req, taken, now)
+
+    def first_waiting(self, shape: Shape) -> str | None:
+        """The earliest queued request of ``shape`` a warm member may serve (or None)."""
+        for rid, r in self.pending.items():
+            if r.shape == shape and not r.cold:
+                return rid
+        return None
 
     def depth(self) -> int:
         return len(self.queues) + len(self.delayed)

@@ -99,3 +99,27 @@ def test_warm_fast_path_goes_ahead_only_with_members_to_spare() -> None:
     s.submit(req("d"), 1.1)
     s.submit(req("e"), 1.1)
     assert s.take_warm_now("e", 1.1) is None  # 2 members left, b and d ahead of it
+
+
+def test_ready_member_goes_to_the_request_waiting_for_it() -> None:
+    """When a member becomes ready while one request of its shape waits for the next
+    batch, that request may take it at once (first_waiting + take_warm_now, as the driver
+    does on every member that becomes ready); with two waiting, the batch orders them."""
+    s = sched(pools=True)
+    s.set_pool_floor(req("shape"), 1)
+    place_all(s, 0.05)
+    first = _user_sandbox(s, "a", 1.0)  # the only member is taken
+    s.submit(req("b"), 1.1)
+    assert s.take_warm_now("b", 1.1) is None  # no member
+    pool_req = s.recycle(first.sandbox_id, 1.3)
+    assert pool_req is not None
+    s.on_created(pool_req.request_id, "sb-back", 1.4)
+    rid = s.first_waiting(req("shape").shape)
+    assert rid == "b"
+    p = s.take_warm_now(rid, 1.4)
+    assert p is not None and p.sandbox_id == "sb-back"
+    second = s.running["sb-back"]
+    s.submit(req("c"), 1.5)
+    s.submit(req("d"), 1.5)
+    s.on_created(s.recycle(second.sandbox_id, 1.6).request_id, "sb-again", 1.7)  # type: ignore[union-attr]
+    assert s.take_warm_now(s.first_waiting(req("shape").shape), 1.7) is None  # type: ignore[arg-type]
