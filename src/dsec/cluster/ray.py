@@ -55,7 +55,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dsec import errors
@@ -426,6 +426,9 @@ class RayNodeProxy:
         self._connect_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._direct_off_until = 0.0  # monotonic: the endpoint was unreachable, use Ray until then
         self.stats = {"direct": 0, "ray": 0}  # protocol calls per transport
+        # Told of every sandbox created or claimed here (ClusterRouter learns where it
+        # lives, also for placements the scheduler driver makes on this proxy directly).
+        self.on_placed: Callable[[Any], None] | None = None
         # Control calls queued in this event-loop pass (sent together by _flush).
         self._queued: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -705,12 +708,17 @@ class RayNodeProxy:
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
                      pooled: bool = False, restore: Any = None, fence: int | None = None) -> Any:
-        return await self._call("create", spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
-                                restore=restore, fence=fence)
+        return self._placed(await self._call("create", spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
+                                             restore=restore, fence=fence))
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec, tenant: str | None = None, *,
                     fence: int | None = None) -> Any:
-        return await self._call("claim", sandbox_id, spec, tenant, fence=fence)
+        return self._placed(await self._call("claim", sandbox_id, spec, tenant, fence=fence))
+
+    def _placed(self, info: Any) -> Any:
+        if self.on_placed is not None:
+            self.on_placed(info)
+        return info
 
     async def get(self, sandbox_id: str) -> Any:
         return await self._call("get", sandbox_id)

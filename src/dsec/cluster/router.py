@@ -72,6 +72,8 @@ class ClusterRouter:
         # Loops that live as long as the router (e.g. picking up nodes that join).
         self.background: list[Callable[[], Awaitable[None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        for nid, agent in self.agents.items():
+            self._watch(nid, agent)
 
     def node_view(self) -> list[dict[str, Any]]:
         """Each node's state as the control plane sees it (GET /v1/nodes)."""
@@ -96,9 +98,17 @@ class ClusterRouter:
         self.where[info.id] = info.node or node_id
         return info
 
+    def _watch(self, node_id: str, agent: NodeAgent) -> None:
+        """Learn placements the scheduler driver makes on the agent directly (it holds the
+        same agents): the first exec of a new sandbox then goes straight to its node instead
+        of asking every node where it is (agents without the hook: asked once, as before)."""
+        if hasattr(agent, "on_placed"):
+            agent.on_placed = lambda info, n=node_id: self._learn(info, n)  # type: ignore[attr-defined]
+
     def add_node(self, node_id: str, agent: NodeAgent) -> None:
         """A node that joined: the map is rebound, never mutated, so a call iterating the
         old one (a cluster-wide list) finishes on the nodes it started with."""
+        self._watch(node_id, agent)
         self.agents = {**self.agents, node_id: agent}
         self.states = {**self.states, node_id: NodeState.ready}
 

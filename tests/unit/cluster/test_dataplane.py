@@ -310,3 +310,25 @@ async def test_agent_without_direct_endpoint_uses_the_actor(tmp_path: Path) -> N
     finally:
         await p.close()
         await srv.close()
+
+
+async def test_router_learns_driver_placements_so_the_first_exec_asks_one_node(tmp_path: Path) -> None:
+    """A sandbox the scheduler driver creates or claims on a node's proxy directly is known
+    to the cluster router at once: its first exec goes to that node only, no `get` to
+    every node to find it (an extra round trip on the create -> first exec path)."""
+    from dsec.cluster.router import ClusterRouter
+
+    srv_a, a = await _proxy(tmp_path / "a")
+    srv_b = NodeAgentServer("fake", {"home": tmp_path / "b", "node_id": "f2"})
+    b = RayNodeProxy("f2", LocalHandle(srv_b))
+    await b.start()
+    router = ClusterRouter({"f1": a, "f2": b})
+    try:
+        info = await a.create(SPEC)  # as the driver does: on the agent, not through the router
+        before = dict(b.stats)
+        assert (await router.exec(info.id, ExecRequest(cmd="echo hi"))).stdout == "hi\n"
+        assert b.stats == before and router.where[info.id] == "f1"
+    finally:
+        for p, s in ((a, srv_a), (b, srv_b)):
+            await p.close()
+            await s.close()
