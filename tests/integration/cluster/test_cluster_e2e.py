@@ -93,6 +93,18 @@ def _measure(servers: dict[str, tuple[str, str]], n: int = 100) -> dict[str, dic
                 "create_first_exec_ms": round(statistics.median(firsts[k]) * 1000, 1)} for k in clients}
 
 
+def _create_retrying(c: httpx.Client, spec: dict[str, Any]) -> dict[str, Any]:
+    """A create, retried on 429 + Retry-After as the SDK does (the measured-load guard
+    refuses placements while the shared box is busy)."""
+    for _ in range(6):
+        r = c.post("/v1/sandboxes", json=spec)
+        if r.status_code != 429:
+            break
+        time.sleep(float(r.headers.get("retry-after", "1")))
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
 def _leftovers(tag: str) -> list[str]:
     """Processes, run dirs and cgroups the cluster named (its GCS port is in every name)."""
     found = []
@@ -131,7 +143,8 @@ def _import_only_on(node_home: Path, tmp: Path, name: str) -> None:
 def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Path) -> None:
     """Three real nodes: node ls shows them ready with busybox; sandboxes created through
     `dsec serve --cluster` land on more than one node and name it; exec and files work on
-    every node; an image held only by node n1 places its sandboxes on n1 (a create on
+    every node; a tenant's max_sandboxes quota counts its sandboxes on every node; an
+    image held only by node n1 places its sandboxes on n1 (a create on
     another node would fail: the image is not there); a checkpoint taken on one node is
     restored on another (shared store); connections a remote node's allow-list refused
     reach the audit log through the node protocol; the exec round trip is measured
@@ -163,6 +176,15 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
             assert listed == {i["id"]: i["node"] for i in infos}
             for i in infos:
                 assert c.delete(f"/v1/sandboxes/{i['id']}").status_code == 204
+            # Quotas see every node: max_sandboxes=2 refuses the third wherever the two landed.
+            tok = c.post("/v1/tenants", json={"name": "quota2", "max_sandboxes": 2}).json()["token"]
+            with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {tok}"}, timeout=120) as q:
+                mine = [_create_retrying(q, SHAPE) for _ in range(2)]
+                third = q.post("/v1/sandboxes", json=SHAPE)
+                assert third.status_code == 429 and third.json()["code"] == "quota_exceeded", third.text
+                print("QUOTA", [m["node"] for m in mine])
+                for m in mine:
+                    assert q.delete(f"/v1/sandboxes/{m['id']}").status_code == 204
             only = [c.post("/v1/sandboxes", json={**SHAPE, "image": "onlyb"}).json() for _ in range(3)]
             assert [o.get("node") for o in only] == ["n1"] * 3, only
             r = c.post(f"/v1/sandboxes/{only[0]['id']}/exec", json={"cmd": "cat /marker"}).json()
