@@ -381,8 +381,9 @@ def run(nodes: int = 100, placements: int = 5000, concurrency: int = 5000, use_r
 
 
 def table(r: dict[str, Any]) -> str:
-    rows = ["| run | nodes | placements | placements/s | latency p50 / p99 (ms) | driver CPU ms / placement "
-            "(placements/s per driver core) | all CPU ms / placement | load |", "|---|---|---|---|---|---|---|---|"]
+    head = ("| run | nodes | placements | placements/s | latency p50 / p99 (ms) | driver CPU ms / placement "
+            "(placements/s per driver core) | all CPU ms / placement | load |")
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
     for key, name in (("in_process", "driver + in-process fake agents"),
                       ("ray", "driver + fake agents as Ray actors (direct data endpoint)"),
                       ("ray_actor_calls", "driver + fake agents as Ray actors (every call an actor call)")):

@@ -646,7 +646,7 @@ class RayNodeProxy:
     async def _deliver(self, ref: Any, futs: list[asyncio.Future[Any]]) -> None:
         try:
             out = await self._await(ref)
-        except BaseException as e:  # noqa: BLE001 - NodeLost & co. reach every caller of the batch
+        except BaseException as e:  # NodeLost & co. (and cancellation) reach every caller of the batch
             for f in futs:
                 if not f.done():
                     f.set_exception(e)

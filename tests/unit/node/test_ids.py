@@ -9,9 +9,9 @@ def test_node_api_and_episodes_mint_sandbox_ids_with_one_function() -> None:
     """The node agent, the API service and the episode book use the same ``new_sandbox_id``
     from the low-level ``dsec.ids`` (they kept two copies that had drifted: 12 vs 16 hex
     digits), and its ids have the one documented shape."""
-    import dsec.api.service as service
     import dsec.checkpoints.episode_sandboxes as episodes
-    import dsec.node.manager as manager
+    from dsec.api import service
+    from dsec.node import manager
     from dsec.ids import new_sandbox_id
 
     assert manager.new_sandbox_id is new_sandbox_id
