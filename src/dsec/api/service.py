@@ -340,9 +340,12 @@ class SandboxService:
                 reserved = True
                 if self.usage is not None:  # per-label quotas (run=r1): 429 naming the quota
                     await self.usage.admit(tenant, spec.labels, sandbox_id)
-                await self.state.record_sandbox(sandbox_id, tenant.uid, time.time())  # owned by the uid
-                self._owners[sandbox_id] = tenant.uid
                 self._creating.add(sandbox_id)
+            # Owned by the uid before anything is built under the id; outside the tenant's
+            # lock (the reservation above already counts it): a tenant's concurrent creates
+            # no longer queue behind each other's state store trips (issue 15).
+            await self.state.record_sandbox(sandbox_id, tenant.uid, time.time())
+            self._owners[sandbox_id] = tenant.uid
             if creator is not None and self._route is not None:
                 creator = self._route(creator)
             # The reservation lasts as long as the creation, not the HTTP call: a caller

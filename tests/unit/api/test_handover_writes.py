@@ -47,3 +47,32 @@ async def test_warm_hand_over_answers_before_its_state_writes_land(env: Env) -> 
     gate.set()
     await svc.flush()
     assert await state.sandbox_owner(member.id) == alice.uid
+
+
+async def test_a_tenants_creates_do_not_queue_behind_each_others_state_writes(env: Env) -> None:
+    """The owner row of a create's reserved id is written outside the tenant's lock:
+    with a slow state store, two concurrent creates of one tenant both have their write
+    in flight (before: the second waited for the first's trip inside the lock); quotas
+    still hold (admission stays under the lock)."""
+    state = env.services.state
+    real = state.record_sandbox
+    gate = asyncio.Event()
+    in_flight: list[str] = []
+
+    async def slow_record(sandbox_id: str, *a: Any, **kw: Any) -> None:
+        in_flight.append(sandbox_id)
+        await gate.wait()
+        await real(sandbox_id, *a, **kw)
+
+    state.record_sandbox = slow_record  # type: ignore[method-assign]
+    svc = env.services.sandboxes
+    alice = await env.services.auth.authenticate(f"Bearer {env.alice_token}")
+    a = asyncio.create_task(svc.create(alice, SPEC))
+    b = asyncio.create_task(svc.create(alice, SPEC))
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert len(in_flight) == 2
+    gate.set()
+    assert {(await a).tenant, (await b).tenant} == {"alice"}
+    with pytest.raises(Exception, match="max_sandboxes"):  # alice's quota is 2
+        await svc.create(alice, SPEC)
