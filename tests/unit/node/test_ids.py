@@ -11,8 +11,8 @@ def test_node_api_and_episodes_mint_sandbox_ids_with_one_function() -> None:
     digits), and its ids have the one documented shape."""
     import dsec.checkpoints.episode_sandboxes as episodes
     from dsec.api import service
-    from dsec.node import manager
     from dsec.ids import new_sandbox_id
+    from dsec.node import manager
 
     assert manager.new_sandbox_id is new_sandbox_id
     assert service.new_sandbox_id is new_sandbox_id
