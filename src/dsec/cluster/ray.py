@@ -43,8 +43,9 @@ On the Ray path ``exec_stream`` is a pull loop (``stream_open`` / ``stream_next`
 call returns every event ready, waiting for at least one), which keeps the protocol's
 back-pressure: the node only runs ahead of the reader by what one pull carries.
 
-Cost (this 2-core box): one Ray actor round trip ~2.3 ms; one direct call ~0.3-0.5 ms.
-Measured exec figures: docs/cluster.md ("Data path").
+Cost (this 2-core box, fake agent behind a real actor, median of 300 execs): 0.31 ms per
+direct call against 1.78 ms per Ray actor call. Exec through a 3-node cluster against one
+node: docs/cluster.md ("Measured").
 """
 
 from __future__ import annotations
