@@ -44,6 +44,7 @@ from typing import Any
 from dsec.config import Settings, load_settings
 from dsec.models import SandboxSpec
 from dsec.node.api import NodeAgent
+from dsec.node.proctree import descendants
 
 # Small enough that 100 fake nodes (8 CPUs, 100 sandboxes each) hold every placement.
 SHAPE: dict[str, Any] = {"image": "busybox", "cpu": 0.1, "memory": 64 * 2**20, "disk": 64 * 2**20}
@@ -76,29 +77,10 @@ def _cpu_s(pids: set[int]) -> float:
     return total / tick
 
 
-def _descendants(root: int) -> set[int]:
-    """Every live process under ``root`` (Ray's raylet, GCS and workers under ray.init)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
 def cpu_split(actor_pids: set[int]) -> dict[str, set[int]]:
     """Where CPU goes: this process (the driver), the node agent actors, Ray's own processes."""
     me = os.getpid()
-    return {"driver": {me}, "agents": set(actor_pids), "ray_system": _descendants(me) - set(actor_pids)}
+    return {"driver": {me}, "agents": set(actor_pids), "ray_system": set(descendants([me])) - {me} - set(actor_pids)}
 
 
 async def place(agents: Mapping[str, NodeAgent], placements: int, concurrency: int, settings: Settings,

@@ -23,16 +23,18 @@ from typing import Any
 from dsec.config import Settings, parse_bytes
 from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
 from dsec.ids import new_sandbox_id
-from dsec.models import SandboxInfo, SandboxSpec, SandboxState as S
+from dsec.models import SandboxInfo, SandboxSpec
+from dsec.models import SandboxState as S
 from dsec.node import cgroups, clones, syscalls
 from dsec.node.files import SandboxFS
 from dsec.node.lifecycle import check_transition, persisted
 from dsec.node.paths import SandboxPaths, sandbox_paths
+from dsec.node.proctree import descendants
 from dsec.node.records import RecordStore, SandboxRecord
 from dsec.node.resolve import resolve_spec
+from dsec.runtime import gvisor_relay
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
-from dsec.runtime import gvisor_relay
 from dsec.runtime.agent_client import agent_ping, register_opener, unregister_opener
 from dsec.runtime.oci import RuntimeSpec, build_config
 from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
@@ -787,7 +789,7 @@ def _kill_gvisor_processes(sandbox_id: str, state_root: Path) -> None:
                  if d.name.isdigit() and _argv_has(int(d.name), sandbox_id.encode(), root)]
         if not seeds:
             return
-        victims = set(_descendants(seeds))
+        victims = set(descendants(seeds))
         for q in victims:
             kill_pid(q)
         for q in victims:
@@ -800,24 +802,6 @@ def _argv_has(pid: int, *needles: bytes) -> bool:
     except OSError:
         return False
     return all(n in argv for n in needles)
-
-
-def _descendants(roots: list[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(roots), list(roots)
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return sorted(out)
 
 
 def _has_mounts_below(base: Path) -> bool:
