@@ -162,10 +162,13 @@ def _cold_create(handles: dict[str, Any], address: str, ref: str) -> dict[str, A
         assert r.exit_code == 0, r
         pulls = [x for x in (await p.health()).pulls if ref.split(":")[0] in x.ref and x.state == "done"]
         await p.destroy(info.id)
+        fetch_s = pulls[-1].fetch_seconds if pulls else None
         pull_s = pulls[-1].seconds if pulls else None
         return {"create_s": round(t1 - t0, 3), "first_exec_s": round(t2 - t1, 3),
-                "create_to_first_exec_s": round(t2 - t0, 3), "pull_s": pull_s,
-                "unpack_and_create_s": round(t1 - t0 - pull_s, 3) if pull_s is not None else None,
+                "create_to_first_exec_s": round(t2 - t0, 3), "pull_fetch_s": fetch_s,
+                "pull_with_unpack_s": pull_s,
+                "unpack_s": round(pull_s - fetch_s, 3) if pull_s is not None and fetch_s is not None else None,
+                "create_after_pull_s": round(t1 - t0 - pull_s, 3) if pull_s is not None else None,
                 "pull_sources": pulls[-1].sources if pulls else {}}
 
     nodes = sorted(handles)

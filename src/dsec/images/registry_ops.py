@@ -106,6 +106,12 @@ class PullTracker:
                 st.blobs_done += 1
                 st.sources[source] = st.sources.get(source, 0) + size
 
+    def fetched(self, key: int) -> None:
+        with self._lock:
+            st = self._active.get(key)
+            if st is not None:
+                st.fetch_seconds = round(time.time() - st.started_at, 3)
+
     def finish(self, key: int, error: str = "") -> None:
         with self._lock:
             st = self._active.pop(key, None)
@@ -379,6 +385,7 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                     tmp.unlink(missing_ok=True)
                 raise
             store.content.place_durable(deferred or [])
+            PULLS.fetched(track)
         config = store.content.read_bytes(cdigest, f"config of {ref}")
         cfg = _json(config, f"config {cdigest} of {ref}")
         diff_ids = ((cfg.get("rootfs") or {}).get("diff_ids")) or []

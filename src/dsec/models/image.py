@@ -36,5 +36,7 @@ class PullStatus(BaseModel):
     blobs_done: int = 0
     sources: dict[str, int] = Field(default_factory=dict, description="Bytes by source: registry, peer:<node>, local")
     started_at: float = 0.0
-    seconds: float = Field(0.0, description="Time spent so far (or in all, once finished)")
+    seconds: float = Field(0.0, description="Time spent so far (or in all, once finished: blobs and unpack)")
+    fetch_seconds: float | None = Field(None, description="Time until every blob was in the store (verified), "
+                                        "before unpacking")
     error: str = ""

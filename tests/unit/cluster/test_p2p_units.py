@@ -84,9 +84,11 @@ def test_pull_tracker_reports_progress_then_sources() -> None:
     assert pulls_text([s.model_dump() for s in snap]) == "reg:5000/a:1 25%"
     t.blob_done(k, "registry", 100)
     t.blob_done(k, "peer:n1", 100)
+    t.fetched(k)
     t.finish(k)
     done = t.snapshot()[0]
     assert done.state == "done" and done.blobs_done == 2 and done.sources == {"registry": 100, "peer:n1": 100}
+    assert done.fetch_seconds is not None and done.fetch_seconds <= done.seconds
     assert pulls_text([done.model_dump()]) == "-"
     k2 = t.start("reg:5000/b:1", total=1, blobs=1)
     t.finish(k2, "boom")
