@@ -332,8 +332,15 @@ class PeerFetcher:
                     return f"peer:{peer}"
             late = time.monotonic() > deadline
             # Nobody to ask (or waited long enough): fetch it ourselves if we get the claim.
-            if late or (not busy and self.dir.claim(digest, self.node, time.time(), self.s.p2p_claim_stale_s)):
+            if late:
                 return self._registry(digest, progress, from_registry)
+            if not busy and self.dir.claim(digest, self.node, time.time(), self.s.p2p_claim_stale_s):
+                # The previous claimer may have announced and released between our look at
+                # the holders and our claim: look again before going to the registry.
+                if not order_peers(self.dir.holders(digest), self.node, skip, {}, self.rng):
+                    return self._registry(digest, progress, from_registry)
+                self.dir.release_claim(digest, self.node)
+                continue
             time.sleep(0.05 if busy else 0.1)  # a holder frees a slot / the claimed fetch finishes
 
     def _registry(self, digest: str, progress: Callable[[str, int, int], None] | None,
@@ -351,12 +358,14 @@ class PeerFetcher:
         refresher.start()
         try:
             from_registry()
+            self.registry_fetches += 1
+            # Announce BEFORE dropping the claim: a waiter that sees the claim gone must
+            # also see this node as a holder, or it would claim and fetch it again.
+            self.dir.announce(self.node, [digest])
         finally:
             stop.set()
             refresher.join()
             self.dir.release_claim(digest, self.node)
-        self.registry_fetches += 1
-        self.dir.announce(self.node, [digest])
         return "registry"
 
     def _from_peer(self, store: Any, peer: str, url: str, digest: str, size: int, what: str,
