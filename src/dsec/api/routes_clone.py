@@ -5,14 +5,19 @@ Each clone is an ordinary create of the parent's spec (same image, limits, env, 
 network allow-list, a fresh TTL) through ``SandboxService.create``: tenant quotas, run
 quotas, ownership, audit and the scheduler's queue apply to every one. All n or none: if
 one create fails, the others are killed and the error is returned.
+
+On a cluster (``dsec serve --cluster``) the parent's node is not in the server's process:
+its files go through a checkpoint captured on that node and restored once per clone,
+wherever the scheduler places it (slower than the copy-on-write path, same files).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from dsec.api.deps import Ctx, SandboxId
@@ -38,7 +43,8 @@ def clone_spec(spec: SandboxSpec, info: SandboxInfo) -> SandboxSpec:
                                    "labels": without_reserved_labels(info.labels)})
 
 
-async def clone_sandbox(svc: object, tenant: TenantRecord, sandbox_id: str, n: int) -> list[SandboxInfo]:
+async def clone_sandbox(svc: object, tenant: TenantRecord, sandbox_id: str, n: int,
+                        checkpoints: Any = None) -> list[SandboxInfo]:
     from dsec.api.service import SandboxService
 
     assert isinstance(svc, SandboxService)
@@ -48,9 +54,11 @@ async def clone_sandbox(svc: object, tenant: TenantRecord, sandbox_id: str, n: i
                               limit=limit)
     await svc._owned(tenant, sandbox_id)  # 404 for an unknown or another tenant's sandbox
     manager = getattr(svc.node, "manager", None)
-    if manager is None:
-        raise InvalidArgument("this server's node cannot clone sandboxes (clones need the node in the server's "
-                              "process)", field="sandbox_id")
+    if manager is None:  # a cluster: the files travel through the shared checkpoint store
+        if checkpoints is None:
+            raise InvalidArgument("this server cannot clone sandboxes: it has neither a local node nor a "
+                                  "checkpoint store", field="sandbox_id")
+        return await _clone_through_checkpoint(svc, checkpoints, tenant, sandbox_id, n)
     try:
         rec = manager.get_record(sandbox_id)
     except NotFound:
@@ -98,5 +106,35 @@ async def clone_sandbox(svc: object, tenant: TenantRecord, sandbox_id: str, n: i
 
 @router.post("/{sandbox_id}/clone", response_model=list[SandboxInfo], status_code=201,
              summary="n new sandboxes with copy-on-write copies of this one's files as they are now")
-async def clone(sandbox_id: SandboxId, req: CloneRequest, ctx: Ctx) -> list[SandboxInfo]:
-    return await clone_sandbox(ctx.svc.sandboxes, ctx.tenant, sandbox_id, req.n)
+async def clone(sandbox_id: SandboxId, req: CloneRequest, ctx: Ctx, request: Request) -> list[SandboxInfo]:
+    return await clone_sandbox(ctx.svc.sandboxes, ctx.tenant, sandbox_id, req.n,
+                               getattr(request.app.state, "checkpoints", None))
+
+
+async def _clone_through_checkpoint(svc: Any, checkpoints: Any, tenant: TenantRecord, sandbox_id: str,
+                                    n: int) -> list[SandboxInfo]:
+    """Clones where the parent's node is not in this process (``dsec serve --cluster``): a
+    checkpoint captured on the parent's node, restored ``n`` times wherever the scheduler
+    places each clone (same files, byte for byte; admitted and placed like any create).
+    The checkpoint stays, listed with the tenant's others: each clone is "restored from"
+    it, and a later checkpoint of a clone stacks on it."""
+    t0 = time.perf_counter()
+    ck = await checkpoints.checkpoint(tenant.uid, sandbox_id)
+    live = await svc.node.get(sandbox_id)
+
+    async def one() -> SandboxInfo:
+        spec, create = await checkpoints.prepare_restore(tenant.uid, ck.id)
+        try:
+            return await svc.create(tenant, clone_spec(spec, live), creator=create)  # type: ignore[no-any-return]
+        finally:
+            create.release()
+
+    results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    made = [r for r in results if isinstance(r, SandboxInfo)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:  # all or none, as on one machine
+        await asyncio.gather(*(svc.kill(tenant, i.id) for i in made), return_exceptions=True)
+        raise failed[0]
+    svc.audit.record(sandbox_id, tenant.name, "clone", clones=[i.id for i in made], mode="checkpoint",
+                     checkpoint_id=ck.id, took_ms=round((time.perf_counter() - t0) * 1000, 3))
+    return made
