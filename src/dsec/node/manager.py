@@ -10,6 +10,7 @@ can adopt what is healthy and clean the rest, and then sweeps orphans nobody rec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -444,7 +445,7 @@ class SandboxManager:
         changed) when the sandbox does not qualify (``recyclable``). The returned task does
         the rest; on any failure it tears both ids down and raises SandboxFailure."""
         from dsec.node import reset as rs
-        from dsec.runtime.agent_client import agent_clear_background, agent_forget
+        from dsec.runtime.agent_client import agent_clear_background, agent_exec, agent_forget
 
         old = self.live_record(sandbox_id)
         why = self.recyclable(old, spec)
@@ -503,6 +504,11 @@ class SandboxManager:
             try:
                 times = await asyncio.get_running_loop().run_in_executor(rs.executor(self.settings.node_reset_workers), step)
                 await agent_clear_background(pn.socket)
+                # One trivial exec leaves a kept-alive handler for the next tenant's first
+                # exec (connect + the agent's handler fork, ~1-1.5 ms, off its critical path).
+                # A missing `true` (exit 127) still leaves the connection kept.
+                with contextlib.suppress(DSecError, OSError):
+                    await agent_exec(pn.socket, ["true"], env={}, cwd="/", timeout=5.0, max_output=0)
             except BaseException as e:
                 reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
                 log.warning("recycling %s failed (%s): tearing it down", sandbox_id, reason)
