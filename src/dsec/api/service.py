@@ -232,6 +232,10 @@ class SandboxService:
                                  "Retry-After delay (nothing was run)", retry_after=wait, sandbox_id=sandbox_id)
 
     # --- create ------------------------------------------------------------------
+    def set_image_check(self, check: ImageCheck) -> None:
+        """Judge a spec's image with ``check`` before queueing (NotFound: 404 naming it)."""
+        self._image_check = check
+
     async def check_spec(self, tenant: TenantRecord, spec: SandboxSpec,
                          server_labels: Collection[str] = ()) -> None:
         """Everything a create is judged on before it is queued or touches a pool (labels,

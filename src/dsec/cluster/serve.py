@@ -56,6 +56,8 @@ def build_cluster(settings: Settings) -> Any:
     driver = scheduler(settings, router) if settings.api_scheduler else None
     if driver is not None:
         services.attach_scheduler(driver)
+        if settings.image_registry:
+            services.sandboxes.set_image_check(driver.images_catalog.prefetch)
         from dsec.api.server import attach_election
         attach_election(services)  # one placing leader among the API servers on this cluster
     joins = Membership(settings, router, driver)
@@ -252,6 +254,14 @@ class ImageCatalog:
             for name in img.names:
                 for ref in (name, name.removesuffix(":latest")):
                     self.by_name.setdefault(ref, ([tuple(x) for x in img.layers], img.image_id))  # type: ignore[misc]
+
+    async def prefetch(self, ref: str) -> None:
+        """The API's image check, before the request is queued: an image no node holds
+        is looked up in the registry in a worker thread, so the scheduler's (synchronous)
+        lookup finds it cached instead of blocking the event loop on the registry's HTTP.
+        NotFound naming the image when neither the nodes nor the registry have it."""
+        if ref not in self.by_name:
+            await asyncio.to_thread(self, ref)
 
     def __call__(self, ref: str) -> tuple[list[tuple[str, int]], str]:
         hit = self.by_name.get(ref)
