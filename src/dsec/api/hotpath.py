@@ -33,10 +33,10 @@ from dsec import __version__
 from dsec.api.deps import ID_PATTERN
 from dsec.api.errors import error_response, validation_error
 from dsec.api.guard import TENANT_KEY
-from dsec.models.api import Health
 from dsec.api.services import Services
 from dsec.errors import DSecError, PayloadTooLarge
 from dsec.models import ExecRequest, ExecResult, SandboxSpec
+from dsec.models.api import Health
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -124,14 +124,8 @@ class HotPath:
             except ValidationError as e:
                 raise _body_error(e) from None
             res = await self._slotted(svc.sandboxes.exec(tenant, sandbox_id, req))
-        except DSecError as err:
-            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
-            return
-        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
-            log.exception("unhandled error on POST %s", scope["path"])
-            await _reply(send, 500, json.dumps({
-                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
-                "for details", "details": {}}).encode())
+        except Exception as err:  # noqa: BLE001 - answered as the app's handlers would (this path is in front of them)
+            await self._fail(err, scope, receive, send)
             return
         await _reply(send, 200, res.model_dump_json().encode())
 
@@ -150,14 +144,8 @@ class HotPath:
             ckpts = getattr(self.app_state, "checkpoints", None)
             if ckpts is not None:  # a restored sandbox's base record is no longer needed
                 await ckpts.forget_sandbox(sandbox_id)
-        except DSecError as err:
-            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
-            return
-        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
-            log.exception("unhandled error on DELETE %s", scope["path"])
-            await _reply(send, 500, json.dumps({
-                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
-                "for details", "details": {}}).encode())
+        except Exception as err:  # noqa: BLE001 - answered as the app's handlers would (this path is in front of them)
+            await self._fail(err, scope, receive, send)
             return
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
@@ -173,16 +161,20 @@ class HotPath:
             except ValidationError as e:
                 raise _body_error(e) from None
             info = await svc.sandboxes.create(tenant, spec)
-        except DSecError as err:
-            await error_response(err, svc.settings.api_retry_after_s)(scope, receive, send)
-            return
-        except Exception as err:  # what the app's catch-all handler answers (this path is in front of it)
-            log.exception("unhandled error on POST %s", scope["path"])
-            await _reply(send, 500, json.dumps({
-                "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log "
-                "for details", "details": {}}).encode())
+        except Exception as err:  # noqa: BLE001 - answered as the app's handlers would (this path is in front of them)
+            await self._fail(err, scope, receive, send)
             return
         await _reply(send, 201, info.model_dump_json().encode())
+
+    async def _fail(self, err: Exception, scope: Scope, receive: Receive, send: Send) -> None:
+        """What the app answers for an error: a DSecError as its JSON, anything else 500."""
+        if isinstance(err, DSecError):
+            await error_response(err, self.svc.settings.api_retry_after_s)(scope, receive, send)
+            return
+        log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=err)
+        await _reply(send, 500, json.dumps({
+            "code": "internal", "message": f"internal error ({type(err).__name__}); see the server log for details",
+            "details": {}}).encode())
 
     async def _slotted(self, op: Coroutine[Any, Any, ExecResult]) -> ExecResult:
         """Run ``op`` holding an exec slot until it finishes or ``hold`` passes.
