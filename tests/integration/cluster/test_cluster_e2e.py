@@ -270,19 +270,20 @@ def test_cluster_up_serve_spread_and_down(cluster: dict[str, Any], tmp_path: Pat
         Path(out).write_text(json.dumps(figures, indent=1))
 
 
-def test_down_leaves_nothing(tmp_path: Path) -> None:
+def test_down_leaves_nothing(cluster: dict[str, Any]) -> None:
     """`dsec cluster down` destroys the cluster's sandboxes and stops exactly what `up`
-    started: no Ray process, run dir or cgroup of that cluster remains."""
-    d = tmp_path / "c1"
-    up = json.loads(_cli("cluster", "up", "--nodes", "2", "--json", "--dir", str(d)).stdout)
-    tag = up["address"].rpartition(":")[2]
+    started: no Ray process, run dir or cgroup of that cluster remains. (It takes down the
+    module's cluster, after the test above: one cluster start less in the suite; the
+    fixture's own `down` then finds nothing recorded.)"""
+    d = Path(cluster["dir"])
+    tag = cluster["address"].rpartition(":")[2]
     import asyncio
 
     from dsec.cluster.ray import RayNodeProxy, connect, get_agent
     from dsec.models import SandboxSpec
 
     async def make() -> str:
-        connect(up["address"])
+        connect(cluster["address"])
         p = RayNodeProxy("n1", get_agent("n1"))
         await p.start()
         return str((await p.create(SandboxSpec(**SHAPE))).id)
@@ -293,5 +294,6 @@ def test_down_leaves_nothing(tmp_path: Path) -> None:
     finally:
         import ray
         ray.shutdown()
-        _cli("cluster", "down", "--dir", str(d), "--json")
+        out = json.loads(_cli("cluster", "down", "--dir", str(d), "--json").stdout)
+    assert out["stopped"] is True
     assert _leftovers(tag) == [] and not d.exists()
