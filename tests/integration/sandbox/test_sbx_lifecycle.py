@@ -129,6 +129,7 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     ids: set[str] = set()
     pids: set[int] = set()
     killed_in: list[str] = []
+    may_lack_record: set[str] = set()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     for i in range(20):
         child = await asyncio.create_subprocess_exec(
@@ -149,7 +150,10 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
         child.send_signal(signal.SIGKILL)
         out = b"".join(seen) + await child.stdout.read()
         await child.wait()
-        killed_in.append(out.decode().splitlines()[-1].split()[0])  # "creating"/"destroying": mid-operation
+        last = out.decode().splitlines()[-1].split()
+        killed_in.append(last[0])  # "creating"/"destroying": mid-operation
+        if last[0] == "creating":  # killed between the announcement and create()'s first write
+            may_lack_record.add(last[1])
         for words in (ln.split() for ln in out.decode().splitlines()):
             if words[0] in ("creating", "created", "destroying"):
                 ids.add(words[1])
@@ -160,7 +164,10 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     node = await start_node(sbx_env, home, run_dir)
     try:
         recs = {r.info.id: r for r in node.manager.records.all()}
-        assert ids <= set(recs), "a sandbox the child announced has no record"
+        # A create is recorded before any resource exists, but the child announces it a moment
+        # earlier (image lookup, spec checks): only the create a kill interrupted may lack a
+        # record, and the leak checks below cover its id all the same.
+        assert ids - set(recs) <= may_lack_record, "a sandbox the child announced has no record"
         live = set(node.manager.live)
         assert live == {sid for sid, r in recs.items() if r.info.state.value in ("idle", "ready")}
         for sid in live:
