@@ -187,6 +187,14 @@ class Settings(BaseSettings):
     p2p_claim_stale_s: float = Field(15.0, gt=0, description="A node's registry-fetch claim on a layer with no progress for this long is taken over")
     p2p_announce_interval_s: float = Field(10.0, gt=0, description="How often a node re-publishes which blobs it holds (also after every pull)")
     image_gc_cluster_interval_s: float = Field(600.0, gt=0, description="How often a cluster node runs the cluster-wide layer GC decision for its own layers")
+    image_prefetch_enabled: bool = Field(True, description="The cluster's scheduler leader prefetches popular images (in image_registry) onto the nodes it will likely use next")
+    image_prefetch_interval_s: float = Field(15.0, gt=0, description="How often the leader runs a prefetch pass")
+    image_prefetch_window_s: float = Field(600.0, gt=0, description="Creates per image are counted over this window (popularity); keep it below image_gc_unused_s")
+    image_prefetch_min_creates: int = Field(2, ge=1, description="Creates within the window that make an image popular")
+    image_prefetch_top_images: int = Field(3, ge=0, description="Most popular images prefetched per pass")
+    image_prefetch_nodes: int = Field(2, ge=0, description="Nodes per popular image that should hold it: the first ones the scheduler's score ranks for its last shape")
+    image_prefetch_max_inflight: int = Field(2, ge=1, description="Prefetches in flight across the cluster (one per node at most)")
+    image_prefetch_retry_s: float = Field(600.0, gt=0, description="A (node, image) prefetched or tried is not prefetched again for this long")
 
     # --- scheduler (SPEC §3) ---------------------------------------------------------
     queue_capacity: int = Field(10000, description="Max queued create requests (bounded)")

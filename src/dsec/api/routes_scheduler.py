@@ -57,6 +57,9 @@ class SchedulerState(BaseModel):
     pending_demand: dict[str, Any] = Field(
         default_factory=dict, description="What the cluster cannot place now (dsec.cluster.demand): `shapes` "
         "[{cpu, memory, disk, isolation, gpu, count}] and the same as Ray autoscaler `ray_bundles`")
+    prefetch: dict[str, Any] | None = Field(None, description="The image prefetcher (dsec.cluster.prefetch) on a "
+                                            "cluster: `stats` (passes, jobs, done, failed, skipped, bytes), "
+                                            "`inflight` {node: image}, `recent` jobs; None when it does not run")
 
 
 class PoolShape(BaseModel):
@@ -123,7 +126,15 @@ async def scheduler_state(ctx: Ctx) -> SchedulerState:
                           backpressure=sched.bp.active, placements_per_s=round(sched.drain_rate, 2),
                           nodes=nodes, stats=dict(sched.stats),
                           pending_demand={"shapes": [s.model_dump() for s in shapes],
-                                          "ray_bundles": ray_bundles(shapes)})
+                                          "ray_bundles": ray_bundles(shapes)},
+                          prefetch=_prefetch_view(_driver(ctx)))
+
+
+def _prefetch_view(driver: Any) -> dict[str, Any] | None:
+    p = getattr(driver, "prefetcher", None)
+    if p is None:
+        return None
+    return {"stats": dict(p.stats), "inflight": dict(p.busy), "recent": list(p.results[-10:])}
 
 
 def demand_of(driver: Any) -> Any:

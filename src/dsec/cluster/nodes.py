@@ -24,7 +24,8 @@ def row(node_id: str, address: str, alive: bool, health: Any, cap: Any, sandboxe
             "memory_bound": int(cap.memory * overcommit) if cap else 0,
             "images": sorted({n for i in (index.images if index else []) for n in i.names}),
             "problems": list(health.problems) if health is not None else ["agent unreachable"],
-            "pulls": [p.model_dump() for p in getattr(health, "pulls", None) or []]}
+            "pulls": [p.model_dump() for p in getattr(health, "pulls", None) or []],
+            "prefetched_bytes": int(getattr(health, "prefetched_bytes", 0) or 0)}
 
 
 def pulls_text(pulls: list[dict[str, Any]]) -> str:

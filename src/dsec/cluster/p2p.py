@@ -418,6 +418,7 @@ class NodePeers:
                                  on_serve=lambda d, n: directory.note_served(d, node, n, time.time()))
         self.fetcher = PeerFetcher(node, directory, settings)
         self._announced: set[str] = set()
+        self._prefetch_lock = threading.Lock()  # one prefetch at a time on this node
         self.gc: Any = None  # dsec.cluster.layer_gc.NodeGc, set by attach()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsec-p2p-announce", daemon=True)
@@ -452,6 +453,9 @@ class NodePeers:
           ``image_registry`` with or without peers; returns the pull's status;
         - ``forget``: ``{"ref"}`` drop the image and every blob / unpacked layer of it that
           nothing else references or leases (a cold node again for that image);
+        - ``prefetch``: ``{"ref", "order": [layer digests]}`` the scheduler leader's prefetch
+          (``dsec.cluster.prefetch``): ``registry_ops.prefetch`` of a name creates use, peers
+          first, layers in ``order``; one at a time per node (a second answers ``skipped``);
         - ``stats``: the blob endpoint's and the fetcher's counters."""
         from dsec.images.ops import _referenced
         from dsec.images.registry_ops import PULLS, pull, pull_source
@@ -482,10 +486,25 @@ class NodePeers:
                     self.store.layers.remove(li.diff_id)
             self.sync()
             return {"removed": gone}
+        if op == "prefetch":
+            from dsec.images.registry_ops import prefetch
+            if not self._prefetch_lock.acquire(blocking=False):
+                return {"skipped": "busy: another prefetch runs on this node", "status": None, "seconds": 0.0}
+            try:
+                t0 = time.monotonic()
+                info = prefetch(self.store, str(args["ref"]), order=[str(d) for d in args.get("order") or []])
+                if info is None:
+                    return {"skipped": "already here or not in image_registry", "status": None, "seconds": 0.0}
+                self.sync()  # peers and the GC see the new holder now, not at the next announce
+                done = [p for p in PULLS.snapshot() if p.prefetch and p.state != "pulling"]
+                return {"skipped": "", "seconds": time.monotonic() - t0, "image_id": info.id,
+                        "status": done[-1].model_dump() if done else None}
+            finally:
+                self._prefetch_lock.release()
         if op == "stats":
             return {"server": self.server.stats(), "from_peers": dict(self.fetcher.from_peers),
                     "registry_fetches": self.fetcher.registry_fetches, "url": self.server.url}
-        raise ValueError(f"unknown p2p admin op {op!r} (pull, forget, stats)")
+        raise ValueError(f"unknown p2p admin op {op!r} (pull, forget, prefetch, stats)")
 
     def close(self) -> None:
         self._stop.set()

@@ -707,6 +707,14 @@ class RayNodeProxy:
     async def resolve_image(self, ref: str) -> Any:
         return await self._call("resolve_image", ref)
 
+    async def p2p_admin(self, op: str, args: dict[str, Any]) -> Any:
+        """An image operation on this node (``NodePeers.admin``: pull, forget, prefetch,
+        stats), through Ray: the node's error comes back as its DSecError."""
+        out = await self._await(self.handle.p2p_admin.remote(op, args))
+        if isinstance(out, NodeCallError):
+            raise out.error()
+        return out
+
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None, tenant: str | None = None,
                      pooled: bool = False, restore: Any = None, fence: int | None = None) -> Any:
         return self._placed(await self._call("create", spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,

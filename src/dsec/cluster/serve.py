@@ -60,6 +60,10 @@ def build_cluster(settings: Settings) -> Any:
             services.sandboxes.set_image_check(driver.images_catalog.prefetch)
         from dsec.api.server import attach_election
         attach_election(services)  # one placing leader among the API servers on this cluster
+    if driver is not None and settings.image_prefetch_enabled and settings.image_registry:
+        from dsec.cluster.prefetch import Prefetcher
+        driver.prefetcher = Prefetcher(settings, router, driver)
+        router.background.append(driver.prefetcher.run)
     joins = Membership(settings, router, driver)
     router.background.append(joins.run)
     beats = Heartbeats(settings, router, driver)

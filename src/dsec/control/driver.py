@@ -39,6 +39,7 @@ from dsec.control.convert import (
     spec_to_request,
 )
 from dsec.control.overcommit import refusal_reason
+from dsec.control.prefetch import ImageDemand
 from dsec.control.scheduler import Scheduler
 from dsec.control.types import Placement, Request, Running, Shape, Ticket
 from dsec.errors import (
@@ -108,6 +109,9 @@ class SchedulerDriver:
         self.book: ControlBook | None = None
         self._floors_applied: dict[str, int] = {}  # floor_key -> size, as this scheduler applies it
         self._floor_specs: dict[str, SandboxSpec] = {}
+        # Creates per image (dsec.control.prefetch): which images the leader prefetches.
+        self.image_demand = ImageDemand(settings.image_prefetch_window_s)
+        self.prefetcher: object | None = None  # dsec.cluster.prefetch.Prefetcher, set by `serve --cluster`
 
     # ------------------------------------------------------------------ lifecycle
     def attach_leader(self, elector: LeaderElector, forwarder: PlacementForwarder | None) -> None:
@@ -367,6 +371,8 @@ class SchedulerDriver:
         req = spec_to_request(spec, tenant, request_id, self.s, owner=owner, task_type=task_type)
         req.cold = cold or not pool_can_serve(spec, self.s)
         t = self.sched.submit(req, self.clock())
+        if self.s.image_prefetch_enabled:
+            self.image_demand.observe(spec.image, self.clock(), req)
         if t.state in ("queued", "placed") and request_id not in self._waiters:
             self._waiters[request_id] = asyncio.get_running_loop().create_future()
             if sandbox_id is not None:

@@ -203,6 +203,27 @@ class OursPolicy:
         return (best, best_m) if best is not None else None
 
 
+def rank(policy: OursPolicy, req: Request, image: Image, cluster: ClusterView) -> list[tuple[Node, int]]:
+    """Every node that could take ``req`` now (room, health, isolation, selector), in the
+    order ``OursPolicy.choose`` prefers them: nodes within ``image_miss_threshold`` of the
+    image first, each group by the same score, best first; with the bytes each misses.
+    Not the hot path (the prefetcher asks which nodes the scheduler will pick next for a
+    popular image): it scores every node, where ``choose`` samples large clusters."""
+    total = image.total_bytes or 1
+    near = policy.miss * total
+    scored: list[tuple[bool, float, str, Node, int]] = []
+    for node in cluster.node_list:
+        if not _eligible(node, req, policy.ratio, policy.threshold):
+            continue
+        miss = missing_bytes(node, image)
+        score = (policy.wl * (1.0 - miss / total) - policy.wload * (node.used_cpu / node.cpu)
+                 - policy.wp * node.predicted - policy.spread * node.batch_load)
+        scored.append((miss <= near, score, node.node_id, node, miss))
+    # Ties broken by node id, so the answer does not depend on the node list's order.
+    scored.sort(key=lambda t: (not t[0], -t[1], t[2]))
+    return [(node, miss) for _, _, _, node, miss in scored]
+
+
 class RandomPolicy:
     """Baseline: a uniformly random feasible node."""
 

@@ -86,12 +86,19 @@ class PullTracker:
         self._active: dict[int, PullStatus] = {}
         self._recent: collections.deque[PullStatus] = collections.deque(maxlen=self.KEEP)
         self._seq = 0
+        self.prefetched_bytes = 0  # fetched (not local) by prefetch pulls since this process started
 
-    def start(self, ref: str, total: int, blobs: int) -> int:
+    def start(self, ref: str, total: int, blobs: int, prefetch: bool = False) -> int:
         with self._lock:
             self._seq += 1
-            self._active[self._seq] = PullStatus(ref=ref, total_bytes=total, blobs=blobs, started_at=time.time())
+            self._active[self._seq] = PullStatus(ref=ref, total_bytes=total, blobs=blobs, started_at=time.time(),
+                                                 prefetch=prefetch)
             return self._seq
+
+    def real_active(self) -> int:
+        """Pulls in flight that a create waits on (not prefetches): prefetch yields to them."""
+        with self._lock:
+            return sum(1 for st in self._active.values() if not st.prefetch)
 
     def advance(self, key: int, n: int) -> None:
         with self._lock:
@@ -105,6 +112,8 @@ class PullTracker:
             if st is not None:
                 st.blobs_done += 1
                 st.sources[source] = st.sources.get(source, 0) + size
+                if st.prefetch and source != "local":
+                    self.prefetched_bytes += size
 
     def fetched(self, key: int) -> None:
         with self._lock:
@@ -307,11 +316,16 @@ def _unpack(store: ImageStore, layers: list[LayerInfo], progress: Progress | Non
 
 def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure: bool = False,
          creds: Credentials | None = None, progress: Progress | None = None, unpack: bool = True,
-         sources: BlobSources | None = None) -> ImageInfo:
+         sources: BlobSources | None = None, order: list[str] | None = None,
+         before_blob: Callable[[], None] | None = None, prefetch: bool = False) -> ImageInfo:
     """Pull ``HOST[:PORT]/REPO[:TAG|@DIGEST]`` into the store (verified), register it
     under ``name`` (default: the reference itself) and, with ``unpack``, unpack its layers.
     ``sources`` (a cluster node's peers) is asked for each missing blob before the registry.
-    Progress and where each blob came from are in ``PULLS`` (``dsec node ls``)."""
+    Progress and where each blob came from are in ``PULLS`` (``dsec node ls``).
+
+    A prefetch (``prefetch``, see ``prefetch``) fetches one blob at a time, layers in
+    ``order`` (first-demand order; others after, in manifest order), and calls
+    ``before_blob`` before each (it waits while pulls that creates wait on run)."""
     ref = parse_reference(ref_text, store.settings.image_registry)
     new_blobs: list[str] = []
     new_layers: list[str] = []
@@ -342,8 +356,11 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                 if d not in seen:
                     seen.add(d)
                     todo.append((d, size, f"{what} ({d})"))
+            if order:
+                rank = {d: i for i, d in enumerate(order)}
+                todo = todo[:1] + sorted(todo[1:], key=lambda t: rank.get(t[0], len(rank)))  # config first
             new_blobs += [d for d, _, _ in todo if not store.content.has(d)]
-            track = PULLS.start(str(ref), sum(sz for _, sz, _ in todo), len(todo))
+            track = PULLS.start(str(ref), sum(sz for _, sz, _ in todo), len(todo), prefetch=prefetch)
             # A pull alone in this process, without peers: verified blobs wait in ingest/ and
             # the whole pull is made durable in one pass at the end, before any is renamed
             # into the store (was: an fsync per blob as each completed). With other pulls in flight (they may want the
@@ -364,6 +381,8 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
 
             def fetch(item: tuple[str, int, str]) -> None:
                 d, size, what = item
+                if before_blob is not None:
+                    before_blob()
                 try:
                     for attempt in range(FETCH_ATTEMPTS):  # a broken connection / 5xx: start the blob again
                         try:
@@ -379,7 +398,9 @@ def pull(store: ImageStore, ref_text: str, *, name: str | None = None, insecure:
                                    f"names it ({exc.message})", digest=d, registry=ref.registry) from exc
 
             try:
-                _run_bounded(fetch, todo, max(1, store.settings.image_max_concurrent_pulls))
+                # A prefetch moves one blob at a time: at most one of the node's transfer
+                # slots (node_max_concurrent_pulls), the rest stay free for creates' pulls.
+                _run_bounded(fetch, todo, 1 if prefetch else max(1, store.settings.image_max_concurrent_pulls))
             except BaseException:
                 for tmp, _ in deferred or []:
                     tmp.unlink(missing_ok=True)
@@ -506,6 +527,34 @@ def resolve_or_pull(store: ImageStore, ref_text: str) -> ImageInfo:
         return info
 
 
+def prefetch(store: ImageStore, ref_text: str, *, order: list[str] | None = None,
+             yield_s: float = 0.05) -> ImageInfo | None:
+    """Prefetch: pull ``ref_text`` (a name creates use, resolved in ``image_registry`` as
+    pull-on-create does) before any create asks for it on this node, through the same
+    path as a create's pull (peers first, digests verified, single flight per blob, the
+    node's transfer slots), registered under the same name so a later create finds it
+    with no fetch at all, and unpacked. It yields to real pulls: before each blob it waits
+    while a pull a create waits on is in flight (a blob already moving finishes first).
+    None when the image is already here or not in the registry (nothing to do)."""
+    try:
+        store.resolve_fast(ref_text)
+        return None
+    except NotFound:
+        pass
+    s = store.settings
+    source = pull_source(ref_text, s.image_registry, True)
+    if source is None:
+        return None
+
+    def wait_turn() -> None:
+        while PULLS.real_active():
+            time.sleep(yield_s)
+
+    log.info("prefetching %s (%s) onto this node", ref_text, source)
+    return pull(store, source, name=normalize_name(ref_text), insecure=s.registry_insecure,
+                sources=store.blob_sources, order=order, before_blob=wait_turn, prefetch=True)
+
+
 # --- push ---------------------------------------------------------------------------------
 
 def mount_sources(store: ImageStore, dest: Reference) -> dict[str, str]:
@@ -569,5 +618,5 @@ def push(store: ImageStore, image_ref: str, dest: str, *, insecure: bool = False
     return mdigest
 
 
-__all__ = ["PULLS", "BlobSources", "Credentials", "PullTracker", "node_slots", "pull", "pull_source", "push",
+__all__ = ["PULLS", "BlobSources", "Credentials", "PullTracker", "node_slots", "prefetch", "pull", "pull_source", "push",
            "remote_layers", "resolve_or_pull"]

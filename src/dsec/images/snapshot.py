@@ -22,6 +22,15 @@ from dsec.models.image import ImageInfo, LayerInfo
 from dsec.node import syscalls
 
 
+def access_orders(store: ImageStore) -> dict[str, list[str]]:
+    """image id -> its layers' diff_ids in recorded first-demand order (one query: a node
+    reports every image's order in its layer index, the prefetcher's input)."""
+    out: dict[str, list[str]] = {}
+    for image_id, diff_id in store.db.q("SELECT image_id, diff_id FROM access_order ORDER BY image_id, seq"):
+        out.setdefault(str(image_id), []).append(str(diff_id))
+    return out
+
+
 class OverlayMounts(BaseModel):
     lower_dirs: list[str]  # top-most first (overlayfs order), extra_lower_dirs on top
     upper_dir: str

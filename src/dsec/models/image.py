@@ -40,3 +40,5 @@ class PullStatus(BaseModel):
     fetch_seconds: float | None = Field(None, description="Time until every blob was in the store (verified), "
                                         "before unpacking")
     error: str = ""
+    prefetch: bool = Field(False, description="Fetched ahead of any create (the leader's prefetch of a popular "
+                           "image), not for a create waiting on it")

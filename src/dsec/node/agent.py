@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,11 +223,17 @@ class LocalNodeAgent:
 
         return NodeHealth(node_id=self.node_id, ok=not problems, pid=os.getpid(), hostname=socket.gethostname(),
                           started_at=self._started_at, sandboxes=len(self.manager.live),
-                          isolation=list(self.manager.isolations), problems=problems, pulls=PULLS.snapshot())
+                          isolation=list(self.manager.isolations), problems=problems, pulls=PULLS.snapshot(),
+                          prefetched_bytes=PULLS.prefetched_bytes)
 
     async def layer_index(self) -> LayerIndex:
-        imgs = await asyncio.to_thread(self.manager.images.list)
-        return LayerIndex(node_id=self.node_id, images=[_layers_of(i) for i in imgs])
+        store = self.manager.images
+        imgs = await asyncio.to_thread(store.list)
+        orders: dict[str, list[str]] = {}
+        if hasattr(store, "db"):  # the real image store records first-demand order (prefetch input)
+            from dsec.images.snapshot import access_orders
+            orders = await asyncio.to_thread(access_orders, store)
+        return LayerIndex(node_id=self.node_id, images=[_layers_of(i, orders.get(i.id, ())) for i in imgs])
 
     async def resolve_image(self, ref: str) -> ImageLayers:
         return _layers_of(await asyncio.to_thread(self.manager.images.resolve, ref))
@@ -484,5 +490,8 @@ class LocalNodeAgent:
         return await asyncio.to_thread(self._fs(sandbox_id).download_tar, path, self.settings.max_upload_bytes)
 
 
-def _layers_of(info: Any) -> ImageLayers:
-    return ImageLayers(image_id=info.id, names=list(info.names), layers=[(li.digest, li.size) for li in info.layers])
+def _layers_of(info: Any, order: Sequence[str] = ()) -> ImageLayers:
+    """``order``: diff_ids in first-demand order, reported as layer digests."""
+    digest_of = {li.diff_id: li.digest for li in info.layers}
+    return ImageLayers(image_id=info.id, names=list(info.names), layers=[(li.digest, li.size) for li in info.layers],
+                       access_order=[digest_of[d] for d in order if d in digest_of])

@@ -108,6 +108,8 @@ class NodeHealth(BaseModel):
     problems: list[str] = Field(default_factory=list)
     pulls: list[PullStatus] = Field(default_factory=list, description="Image pulls in progress, then the last "
                                     "finished ones (bytes by source: registry, peer:<node>, local)")
+    prefetched_bytes: int = Field(0, description="Bytes this node fetched (registry or peers) for prefetches since "
+                                  "its agent started: layers of popular images before any create asked for them")
 
 
 class ImageLayers(BaseModel):
@@ -116,6 +118,8 @@ class ImageLayers(BaseModel):
     image_id: str
     names: list[str] = Field(default_factory=list)
     layers: list[tuple[str, int]] = Field(default_factory=list, description="(digest, compressed size) base first")
+    access_order: list[str] = Field(default_factory=list, description="Layer digests in the order this node's "
+                                    "sandboxes first needed them (the image store's access_order record)")
 
 
 class LayerIndex(BaseModel):
