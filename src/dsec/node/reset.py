@@ -7,7 +7,8 @@ What a sandbox can leave behind, and how each is undone without restarting it:
 - the writable layer: a fresh overlay (same lower dirs, new empty upper/work on the
   sandbox's scratch tmpfs) becomes the root of the sandbox's mount namespace with
   ``pivot_root``; /proc, /dev and /sys and the agent bind are moved over; the old
-  overlay is detached and its upper dir deleted; the host-side mount at ``rootfs`` is
+  overlay is detached and its upper and work dirs deleted (or, if the tenant wrote many
+  files, the whole old scratch tmpfs is dropped); the host-side mount at ``rootfs`` is
   swapped too, so the file API sees the new root;
 - /dev (a tmpfs writable by the sandbox's root), /dev/shm and /dev/mqueue: everything
   but the standard device nodes and links is removed, and those are re-made;
@@ -337,14 +338,38 @@ def executor(workers: int = 2) -> ThreadPoolExecutor:
         return _executor
 
 
+# A reset keeps the sandbox's scratch tmpfs when the old writable layer is this small
+# (inodes in use: upper + work + what the tenant wrote): deleting a few files is cheaper
+# than a new tmpfs mount plus an umount (an RCU grace period). A tenant that wrote more
+# gets a new tmpfs, so the reset never spends long deleting a huge tree.
+REUSE_SCRATCH_MAX_INODES = 2048
+
+
+def scratch_reusable(scratch: Path, max_inodes: int = REUSE_SCRATCH_MAX_INODES) -> bool:
+    """Is the old writable layer on ``scratch`` small enough to delete in place?"""
+    try:
+        st = os.statvfs(scratch)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_files - st.f_ffree <= max_inodes
+
+
+def _rmtree(path: Path) -> None:
+    if os.path.lexists(path):
+        shutil.rmtree(path)
+
+
 def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Path, lower_dirs: list[str],
                     disk: int, workdir: str, hosts: bytes | None, cgroup_parent: str,
                     limits: tuple[int, float, int], kill_timeout: float = 5.0,
                     hostname: str | None = None) -> dict[str, float]:
     """Blocking; runs on a reset worker (``executor()``). Returns per-step timings in ms.
 
-    The new writable layer lives on a new scratch tmpfs (same size: the disk quota), so
-    dropping the old one is one lazy unmount, however many files the sandbox wrote.
+    The new writable layer (empty upper and work dirs) is made next to the old one on the
+    same scratch tmpfs; once the new root is in place, the old dirs are deleted and the
+    new ones take their names (``scratch/upper`` is what the file API and checkpoints
+    read). If the old layer holds many files (``scratch_reusable``), a new scratch tmpfs
+    (same size: the disk quota) is mounted instead, and the old one goes in one lazy umount.
     """
     t = [time.perf_counter()]
     times: dict[str, float] = {}
@@ -355,17 +380,25 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
 
     kill_all_but_init(cgroup_parent, sandbox_id, init_pid, kill_timeout)
     lap("kill")
-    nscratch, nroot = scratch.with_name("scratch.next"), rootfs.with_name("rootfs.next")
-    for d in (nroot, nscratch):
+    reuse = scratch_reusable(scratch)
+    nroot = rootfs.with_name("rootfs.next")
+    nscratch = scratch if reuse else scratch.with_name("scratch.next")
+    nupper, nwork = (scratch / "upper.next", scratch / "work.next") if reuse else \
+        (nscratch / "upper", nscratch / "work")
+    for d in (nroot,) if reuse else (nroot, nscratch):
         if os.path.ismount(d):  # left by a reset that failed half-way
             syscalls.umount(str(d))
         d.mkdir(0o700, exist_ok=True)
-    syscalls.mount_tmpfs(str(nscratch), disk, mode=0o700)
+    if reuse:
+        for d in (nupper, nwork):  # left by a reset that failed half-way
+            _rmtree(d)
+    else:
+        syscalls.mount_tmpfs(str(nscratch), disk, mode=0o700)
     tree_fd = -1
     try:
-        os.mkdir(nscratch / "upper", 0o755)
-        os.mkdir(nscratch / "work", 0o755)
-        syscalls.mount_overlay(str(nroot), lower_dirs, str(nscratch / "upper"), str(nscratch / "work"))
+        os.mkdir(nupper, 0o755)
+        os.mkdir(nwork, 0o755)
+        syscalls.mount_overlay(str(nroot), lower_dirs, str(nupper), str(nwork))
         prepare_root(nroot, workdir, hosts)
         tree_fd = _sys(SYS_OPEN_TREE, AT_FDCWD, str(nroot).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC)
         lap("mount")
@@ -377,20 +410,32 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
             raise ResetError(f"sandbox {sandbox_id}: root swap failed: {e}") from e
         restore_limits(cgroup_parent, sandbox_id, *limits)
     except BaseException:
-        for d in (nroot, nscratch):
+        with contextlib.suppress(OSError):
+            syscalls.umount(str(nroot))
+        if not reuse:
             with contextlib.suppress(OSError):
-                syscalls.umount(str(d))
+                syscalls.umount(str(nscratch))
         raise
     finally:
         if tree_fd >= 0:
             os.close(tree_fd)
     lap("pivot")
     # Host side: the file API and checkpoints read <base>/rootfs and <scratch>/upper.
-    for old, new in ((rootfs, nroot), (scratch, nscratch)):
-        syscalls.umount(str(old))
-        syscalls.mount(str(new), str(old), "", MS_MOVE)
+    syscalls.umount(str(rootfs))
+    syscalls.mount(str(nroot), str(rootfs), "", MS_MOVE)
+    if reuse:
+        # The old overlay is unmounted everywhere and every process that could write
+        # through it is dead: its upper and work dirs are plain files now. The new
+        # overlay holds its dirs by reference, so renaming them does not disturb it.
+        for name, new in (("upper", nupper), ("work", nwork)):
+            _rmtree(scratch / name)
+            os.rename(new, scratch / name)
+    else:
+        syscalls.umount(str(scratch))
+        syscalls.mount(str(nscratch), str(scratch), "", MS_MOVE)
     lap("swap")
     times["total"] = (t[-1] - t[0]) * 1000
+    times["scratch_reused"] = float(reuse)
     return times
 
 

@@ -112,3 +112,38 @@ async def test_reset_median_fast_in_place(node):
     assert node.manager.counters.get("reset_in_place") == 15
     assert node.manager.counters.get("reset_remade") is None
     assert statistics.median(times) < 0.025, times
+
+
+async def test_reset_reuses_a_small_scratch_and_replaces_a_big_one(node):
+    """Issue 15 (recycling speed): after a tenant wrote a few files, a reset deletes them on
+    the same scratch tmpfs (no new tmpfs mount and no umount, which waits for an RCU grace
+    period); after more files than ``REUSE_SCRATCH_MAX_INODES`` the whole tmpfs is replaced,
+    so a reset never spends long deleting. Either way nothing written survives, the disk
+    quota is whole again (a second near-full write fits) and the file API sees the new layer."""
+    import os
+
+    from dsec.node import reset as rs
+
+    info = await make(node, "container", disk="16M")
+    scratch = node.manager.paths(info.id).scratch
+    dev = os.stat(scratch).st_dev
+    fill = "dd if=/dev/zero of=/work/fill bs=1M count=12 2>&1 && echo FILLED"
+    assert "FILLED" in (await sh(node, info.id, fill)).stdout
+    await node.reset(info.id)
+    assert os.stat(scratch).st_dev == dev  # same tmpfs: a few files were deleted in place
+    assert sorted(os.listdir(scratch)) == ["upper", "work"]  # no stale next dirs
+    assert (await sh(node, info.id, "ls /work | wc -l")).stdout.strip() == "0"
+    assert "FILLED" in (await sh(node, info.id, fill)).stdout  # the 12M of the old layer were freed
+    assert await node.read_file(info.id, "/work/fill") == b"\0" * (12 << 20)
+
+    many = rs.REUSE_SCRATCH_MAX_INODES + 100
+    r = await sh(node, info.id, f"rm /work/fill; mkdir /tmp/m && cd /tmp/m && seq 1 {many} | xargs touch && ls | wc -l")
+    assert r.stdout.strip() == str(many), r
+    await node.reset(info.id)
+    assert os.stat(scratch).st_dev != dev  # a new tmpfs: the big tree went with the old one
+    assert (await sh(node, info.id, "ls /tmp | wc -l")).stdout.strip() == "0"
+    await node.write_file(info.id, "/work/x", b"x")
+    assert (await sh(node, info.id, "cat /work/x")).stdout == "x"
+    pid = (await node.get(info.id)).pid
+    await node.destroy(info.id)
+    assert leftovers(node, info.id, [pid]) == []
