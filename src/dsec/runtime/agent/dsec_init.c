@@ -27,6 +27,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -393,6 +394,22 @@ static int make_sigfd(const int *sigs, int n)
     return signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
 }
 
+/*
+ * Start a child that runs fn(arg) -- which must execve or _exit -- on our memory until
+ * then: clone(CLONE_VM | CLONE_VFORK), what posix_spawn does. A plain fork copies the
+ * address space; on gVisor's ptrace platform that is a new stub process plus a fault
+ * per page either side touches afterwards, ~3x the cost of the execve itself (docs/
+ * exec-agent.md, "gVisor tier"). We stay suspended until the child has exec'd or exited,
+ * so it may read our data and uses a stack of its own. No CLONE_FILES/FS/SIGHAND/THREAD:
+ * its fds, cwd, signal dispositions, mask, session and seccomp filter are its own. Safe
+ * because no process of ours installs a signal handler that could run on that stack.
+ */
+static char spawn_stack[256 * 1024] __attribute__((aligned(64)));
+static pid_t spawn_child(int (*fn)(void *), void *arg)
+{
+    return clone(fn, spawn_stack + sizeof spawn_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, arg);
+}
+
 /* ------------------------------------------------------------ exec handler */
 
 static unsigned char outbuf[OUTBUF];
@@ -431,6 +448,22 @@ static int conn_read_exact(int conn, unsigned char *buf, size_t n, int timeout_m
     return 0;
 }
 
+/* The foreground command's side of spawn_child: stdio pipes, own session, filter, exec. */
+struct fg_spawn { struct request *rq; int stdio[3]; };
+static int fg_child(void *arg)
+{
+    struct fg_spawn *sp = arg;
+    reset_signals();
+    setsid();
+    for (int i = 0; i < 3; i++) dup2(sp->stdio[i], i);
+    if (exec_filter && install_run_filter() < 0) {  /* fail closed */
+        dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+        _exit(125);
+    }
+    exec_command(sp->rq->argv, sp->rq->envp, sp->rq->cwd, 2);
+    return 127;  /* not reached */
+}
+
 /*
  * One foreground exec on conn. Returns 1 when the host asked for keep-alive (flags bit 1)
  * and the connection can carry the next request: the exit frame was delivered, stdin is
@@ -446,20 +479,11 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
         send_failure(conn, F_RESOURCE, "cannot create pipes: %s", strerror(errno));
         _exit(1);
     }
-    pid_t child = fork();
+    struct fg_spawn fs = { rq, { pi[0], po[1], pe[1] } };
+    pid_t child = spawn_child(fg_child, &fs);
     if (child < 0) {
         send_failure(conn, F_RESOURCE, "fork failed: %s", strerror(errno));
         _exit(1);
-    }
-    if (child == 0) {
-        reset_signals();
-        setsid();
-        dup2(pi[0], 0); dup2(po[1], 1); dup2(pe[1], 2);
-        if (exec_filter && install_run_filter() < 0) {  /* fail closed */
-            dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
-            _exit(125);
-        }
-        exec_command(rq->argv, rq->envp, rq->cwd, 2);
     }
     close(po[1]); close(pe[1]); close(pi[0]);
     int stdin_on = rq->flags & 1, keep = (rq->flags & 2) != 0, reuse = 0;
@@ -483,11 +507,13 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
     for (;;) {
         if (done && pipes[0] < 0 && pipes[1] < 0 && !x_queued) {
             if (keep) {
-                pid_t kids[1];
-                while (waitpid(-1, NULL, WNOHANG) > 0) {}
                 /* a job the command left behind is ours (subreaper): a later exec's tree-kill
-                   would reach it, so this connection ends here and the job goes to PID 1 */
-                reuse = list_children(kids, 1) == 0;
+                   would reach it, so this connection ends here and the job goes to PID 1.
+                   ECHILD = no child left at all; asked of wait4, not /proc (gVisor has no
+                   /proc/thread-self/children: that was a /proc scan per exec there) */
+                pid_t p;
+                while ((p = waitpid(-1, NULL, WNOHANG | __WALL)) > 0) {}
+                reuse = p < 0 && errno == ECHILD;
             }
             unsigned char x[11];
             put_u32(x, keep ? 7 : 6); x[4] = 'X';
@@ -838,6 +864,37 @@ static void send_ps(int fd)
     free(b);
 }
 
+/* A background command's side of spawn_child: failures before and during execve go to
+   the CLOEXEC error pipe errfd (EOF = success). */
+struct bg_spawn { struct request *rq; int errfd; };
+static int bg_child(void *arg)
+{
+    struct bg_spawn *bs = arg;
+    struct request *rq = bs->rq;
+    reset_signals();
+    setsid();
+    int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (nul >= 0) dup2(nul, 0); else close(0);
+    if (rq->cwd[0] && chdir(rq->cwd) < 0) {
+        dprintf(bs->errfd, "dsec-init: cannot change directory to '%s': %s\n", rq->cwd, strerror(errno));
+        _exit(126);
+    }
+    const char *op = rq->outpath[0] ? rq->outpath : "/dev/null";
+    int out = open(op, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (out < 0) {
+        dprintf(bs->errfd, "dsec-init: cannot open output file '%s': %s\n", op, strerror(errno));
+        _exit(126);
+    }
+    dup2(out, 1);
+    dup2(out, 2);
+    if (exec_filter && install_run_filter() < 0) {  /* fail closed */
+        dprintf(bs->errfd, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+        _exit(125);
+    }
+    exec_command(rq->argv, rq->envp, NULL, bs->errfd);
+    return 127;  /* not reached */
+}
+
 /* Returns 1 when the pending entry stays open (background spawn in flight). */
 static int dispatch(int i)
 {
@@ -895,35 +952,12 @@ static int dispatch(int i)
     if (!e) { send_failure(pd->fd, F_RESOURCE, "too many background processes (%d running)", MAX_BG); return 0; }
     int ep[2];
     if (pipe2(ep, O_CLOEXEC) < 0) { send_failure(pd->fd, F_RESOURCE, "pipe: %s", strerror(errno)); return 0; }
-    pid_t c = fork();
+    struct bg_spawn bs = { &rq, ep[1] };
+    pid_t c = spawn_child(bg_child, &bs);
     if (c < 0) {
         close(ep[0]); close(ep[1]);
         send_failure(pd->fd, F_RESOURCE, "fork failed: %s", strerror(errno));
         return 0;
-    }
-    if (c == 0) {
-        /* failures before and during execve go to the CLOEXEC error pipe (EOF = success) */
-        reset_signals();
-        setsid();
-        int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
-        if (nul >= 0) dup2(nul, 0); else close(0);
-        if (rq.cwd[0] && chdir(rq.cwd) < 0) {
-            dprintf(ep[1], "dsec-init: cannot change directory to '%s': %s\n", rq.cwd, strerror(errno));
-            _exit(126);
-        }
-        const char *op = rq.outpath[0] ? rq.outpath : "/dev/null";
-        int out = open(op, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-        if (out < 0) {
-            dprintf(ep[1], "dsec-init: cannot open output file '%s': %s\n", op, strerror(errno));
-            _exit(126);
-        }
-        dup2(out, 1);
-        dup2(out, 2);
-        if (exec_filter && install_run_filter() < 0) {  /* fail closed */
-            dprintf(ep[1], "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
-            _exit(125);
-        }
-        exec_command(rq.argv, rq.envp, NULL, ep[1]);
     }
     close(ep[1]);
     fcntl(ep[0], F_SETFL, O_NONBLOCK);
@@ -1112,6 +1146,22 @@ static void serve(int lfd, int listening)
 
 /* ---------------------------------------------------------------- run mode */
 
+/* run mode's command side of spawn_child: own session, the filter always, exec. */
+struct run_spawn { char **argv; const char *cwd; };
+static int run_child(void *arg)
+{
+    extern char **environ;
+    struct run_spawn *rs = arg;
+    reset_signals();
+    setsid();
+    if (install_run_filter() < 0) {  /* fail closed: never run the command unfiltered */
+        dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
+        _exit(125);
+    }
+    exec_command(rs->argv, environ, rs->cwd, 2);
+    return 127;  /* not reached */
+}
+
 static int run_main(int argc, char **argv)
 {
     long timeout_ms = 0;
@@ -1135,18 +1185,9 @@ static int run_main(int argc, char **argv)
     int sigs[] = { SIGCHLD, SIGTERM, SIGINT, SIGHUP, SIGQUIT };
     int sigfd = make_sigfd(sigs, 5);
     if (sigfd < 0) { logmsg("signalfd: %s", strerror(errno)); return 125; }
-    pid_t child = fork();
+    struct run_spawn rs = { argv + i, cwd };
+    pid_t child = spawn_child(run_child, &rs);
     if (child < 0) { logmsg("fork: %s", strerror(errno)); return 125; }
-    if (child == 0) {
-        extern char **environ;
-        reset_signals();
-        setsid();
-        if (install_run_filter() < 0) {  /* fail closed: never run the command unfiltered */
-            dprintf(2, "dsec-init: cannot install the exec syscall filter: %s\n", strerror(errno));
-            _exit(125);
-        }
-        exec_command(argv + i, environ, cwd, 2);
-    }
     int64_t deadline = timeout_ms ? now_ms(CLOCK_MONOTONIC) + timeout_ms : 0;
     int status = 0, done = 0;
     for (;;) {
