@@ -21,7 +21,7 @@ from dsec.api.file_gate import FileGate
 from dsec.api.guard import RequestGuard
 from dsec.api.hotpath import HotPath
 from dsec.api.metrics import Metrics
-from dsec.api.priority import GcPauses, boost_server_threads
+from dsec.api.priority import GcPauses, boost_current_thread, boost_server_threads
 from dsec.api.services import Services
 
 Scope = MutableMapping[str, Any]
@@ -88,7 +88,12 @@ def create_app(services: Services, *, manage_lifecycle: bool = True, hot_path: b
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
-            boost_server_threads(asyncio.get_running_loop(), services.settings.api_loop_nice)
+            nice = services.settings.api_loop_nice
+            on_worker = getattr(services.state, "on_worker", None)
+            if boost_server_threads(asyncio.get_running_loop(), nice) and on_worker is not None:
+                # The SQLite store's own thread too: a create waits on it, and at nice 0 each
+                # of its wake-ups queued behind the sandboxes' work (issue 15).
+                await on_worker(lambda: boost_current_thread(nice))
             gc_pauses = GcPauses()
             gc_task = asyncio.create_task(_export_gc(gc_pauses, services.metrics), name="dsec-gc-metrics")
             await services.start()

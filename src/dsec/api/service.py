@@ -9,6 +9,7 @@ function as ``creator`` — nothing else changes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import hashlib
 import ipaddress
@@ -288,8 +289,16 @@ class SandboxService:
         # server): a request id reserved here is seen by all servers, so a client failing
         # over to another server with the same id gets this sandbox, never a second one.
         fresh = new_sandbox_id()
+        now = time.time()
+        # The fresh id's owner row goes with the reservation (one trip to the state store,
+        # not two in a row; issue 15), still before anything can be built under the id. A
+        # replay (the request id was seen) leaves it the row of an id never used, marked dead.
+        owner_row = asyncio.ensure_future(self.state.record_sandbox(fresh, tenant.uid, now))
+        owner_row.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited below, or moot
         rec = await self.state.idem_reserve(IdempotencyRecord(
-            tenant=tenant.uid, request_id=spec.request_id, sandbox_id=fresh, created_at=time.time()))
+            tenant=tenant.uid, request_id=spec.request_id, sandbox_id=fresh, created_at=now))
+        if rec.sandbox_id != fresh:
+            self._write_behind(self._bury(owner_row, fresh))
         if rec.sandbox_id != fresh or rec.done:  # seen before (here or on another API server)
             found = await self._made_for(rec)
             if found is not None:
@@ -304,7 +313,8 @@ class SandboxService:
             await self.state.idem_complete(tenant.uid, rid, info.model_dump(mode="json"))
 
         try:
-            return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete)
+            return await self._create_new(tenant, spec, rec.sandbox_id, creator, finish=complete,
+                                          owner_row=owner_row if rec.sandbox_id == fresh else None)
         except TransientError:
             # Outcome unknown (the scheduler leader died or moved with it in flight): the
             # retry keeps this sandbox id, so it finds what was made instead of a second one.
@@ -312,6 +322,12 @@ class SandboxService:
         except DSecError:
             await self.state.idem_delete(tenant.uid, spec.request_id)  # retry afresh
             raise
+
+    async def _bury(self, owner_row: Awaitable[None], sandbox_id: str) -> None:
+        """Mark dead the owner row of an id that will never be built (after it landed)."""
+        with contextlib.suppress(Exception):
+            await owner_row
+        await self.state.mark_dead([sandbox_id], time.time())
 
     async def _made_for(self, rec: IdempotencyRecord) -> SandboxInfo | None:
         """The sandbox a seen request id made, if it exists: under its reserved id, or a
@@ -330,8 +346,10 @@ class SandboxService:
 
     async def _create_new(self, tenant: TenantRecord, spec: SandboxSpec, sandbox_id: str,
                           creator: Creator | None = None,
-                          finish: Callable[[SandboxInfo], Awaitable[None]] | None = None) -> SandboxInfo:
-        """``finish`` records the outcome (the request id's answer) once the sandbox exists."""
+                          finish: Callable[[SandboxInfo], Awaitable[None]] | None = None,
+                          owner_row: Awaitable[None] | None = None) -> SandboxInfo:
+        """``finish`` records the outcome (the request id's answer) once the sandbox exists;
+        ``owner_row``: the id's owner row, already sent (else it is written here)."""
         self._inflight += 1
         self.metrics.inflight_creates.set(self._inflight)
         t0 = time.perf_counter()
@@ -348,7 +366,8 @@ class SandboxService:
             # Owned by the uid before anything is built under the id; outside the tenant's
             # lock (the reservation above already counts it): a tenant's concurrent creates
             # no longer queue behind each other's state store trips (issue 15).
-            await self.state.record_sandbox(sandbox_id, tenant.uid, time.time())
+            await (owner_row if owner_row is not None else self.state.record_sandbox(sandbox_id, tenant.uid,
+                                                                                      time.time()))
             self._owners[sandbox_id] = tenant.uid
             if creator is not None and self._route is not None:
                 creator = self._route(creator)
@@ -390,9 +409,7 @@ class SandboxService:
             # Off the hand-over's critical path: until the owner row lands, this server knows
             # the owner from memory, and another server (or this one after a crash) falls
             # back to the node's tenant label, which the claim has already set.
-            task = asyncio.ensure_future(asyncio.gather(*writes))
-            self._writes.add(task)
-            task.add_done_callback(self._write_done)
+            self._write_behind(asyncio.gather(*writes))
         self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
         self.metrics.creates.labels(result="ok").inc()
         self.audit.record(info.id, tenant.name, "create", image=info.image, image_id=info.image_id,
@@ -405,10 +422,16 @@ class SandboxService:
         if self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
+    def _write_behind(self, write: Awaitable[Any]) -> None:
+        """Send a state write off the request's path (``flush`` waits for it)."""
+        task = asyncio.ensure_future(write)
+        self._writes.add(task)
+        task.add_done_callback(self._write_done)
+
     def _write_done(self, task: asyncio.Future[Any]) -> None:
         self._writes.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("recording a warm hand-over in the state store failed: %s", task.exception())
+            log.warning("a state write sent off the request's path failed: %s", task.exception())
 
     def _usage_release(self, sandbox_id: str) -> None:
         if self.usage is not None:

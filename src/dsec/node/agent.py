@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Settings
-from dsec.errors import InvalidArgument
+from dsec.errors import DSecError, InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.node.api import (
     CheckpointInfo,
@@ -138,9 +138,25 @@ class LocalNodeAgent:
         await self._ensure_image(spec.image)
         info = await self.manager.create(spec, sandbox_id=sandbox_id, tenant=tenant, pooled=pooled,
                                          extra_lower_dirs=extra_lower_dirs)
-        if not pooled and "task" in spec.labels:
+        if pooled:
+            await self._keep_agent_conn(info.id)
+        elif "task" in spec.labels:
             self._mark_cpu_base(info.id)
         return info
+
+    async def _keep_agent_conn(self, sandbox_id: str) -> None:
+        """One trivial exec into a new warm-pool member leaves a kept-alive agent connection
+        (its handler already forked) for the first exec of whoever claims it: that exec then
+        skips the connect and the fork, ~1-1.5 ms of a warm hand-over's budget (issue 15; a
+        recycled member gets the same, ``SandboxManager.start_recycle``). Off the user's path:
+        the member is not in the pool yet. Best effort, and only over an agent socket (an
+        old gVisor sandbox without one would pay a whole ``runsc exec``)."""
+        rec = self.manager.live.get(sandbox_id)
+        sock = self._agent_sock(sandbox_id, rec) if rec is not None else None
+        if sock is None:
+            return
+        with contextlib.suppress(DSecError, OSError):
+            await ac.agent_exec(sock, ["true"], env={}, cwd="/", timeout=5.0, max_output=0)
 
     async def _same_create(self, sandbox_id: str, tenant: str | None) -> SandboxInfo:
         """A create for an id this node already holds is the same create sent twice (a
