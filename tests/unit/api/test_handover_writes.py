@@ -11,6 +11,7 @@ from api_env import Env
 
 from dsec.errors import NotFound
 from dsec.models import SandboxInfo, SandboxSpec
+from dsec.state import IdempotencyRecord
 
 SPEC = SandboxSpec(image="busybox", cpu=1, memory="64M")
 
@@ -76,3 +77,41 @@ async def test_a_tenants_creates_do_not_queue_behind_each_others_state_writes(en
     assert {(await a).tenant, (await b).tenant} == {"alice"}
     with pytest.raises(Exception, match="max_sandboxes"):  # alice's quota is 2
         await svc.create(alice, SPEC)
+
+
+async def test_create_with_request_id_takes_two_state_trips(env: Env) -> None:
+    """A warm hand-over with a request id (every SDK create) makes two trips to the state
+    store's thread: the reservation together with the reserved id's owner row, then the
+    answer together with the member's owner row and the reserved id's dead mark (was five:
+    each trip is two thread wake-ups). The answer is still durable before it is given, and
+    a replay gets the same sandbox."""
+    member = await env.node.create(SPEC, tenant="alice")
+
+    async def hand_over(spec: SandboxSpec, sandbox_id: str, tenant: str) -> SandboxInfo:
+        return member
+
+    state = env.services.state
+    await env.services.audit.flush()
+    svc = env.services.sandboxes
+    svc.set_placement(hand_over)
+    alice = await env.services.auth.authenticate(f"Bearer {env.alice_token}")
+    hops: list[list[str]] = []
+    real = state._pool.submit  # type: ignore[attr-defined]
+
+    def submit(fn: Any, *args: Any, **kw: Any) -> Any:
+        jobs = args[-1] if args and isinstance(args[-1], list) else [(fn,)]
+        calls = [getattr(j[0], "__name__", "?") for j in jobs]
+        if set(calls) - {"append_audit"}:  # the audit flusher's own trips run on a timer
+            hops.append(calls)
+        return real(fn, *args, **kw)
+
+    state._pool.submit = submit  # type: ignore[attr-defined]
+    spec = SPEC.model_copy(update={"request_id": "r-1"})
+    info = await svc.create(alice, spec)
+    assert info.id == member.id and len(hops) == 2, hops
+    state._pool.submit = real  # type: ignore[attr-defined]
+    rec = await state.idem_reserve(IdempotencyRecord(tenant=alice.uid, request_id="r-1", sandbox_id="x",
+                                                     created_at=0))
+    assert rec.done and rec.info is not None and rec.info["id"] == member.id
+    assert await state.sandbox_owner(member.id) == alice.uid
+    assert (await svc.create(alice, spec)).id == member.id

@@ -87,6 +87,56 @@ async def test_exec_slots_never_block_behind_a_long_command(tmp_path: Path) -> N
         await env.services.close()
 
 
+async def test_exec_runs_in_the_requests_own_task(tmp_path: Path) -> None:
+    """The exec slot does not run the exec in a task of its own (issue 15: that task and
+    its waiter cost a trivial exec extra loop passes); cancelling the request still stops
+    the exec, and the slot is free again afterwards."""
+    import asyncio
+
+    env = await make_env(tmp_path, api_exec_slots=1)
+    try:
+        sb = (await env.alice.post("/v1/sandboxes", json={"image": "busybox", "cpu": 1})).json()
+        real_exec = env.node.exec
+        tasks: list[object] = []
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def exec_(sandbox_id, req):  # type: ignore[no-untyped-def]
+            tasks.append(asyncio.current_task())
+            if req.cmd == "hang":
+                started.set()
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+            return await real_exec(sandbox_id, req)
+
+        env.node.exec = exec_  # type: ignore[method-assign]
+        hot = next(m for m in _layers(env.services) if isinstance(m, HotPath))
+        res = await hot._slotted(env.node.exec(sb["id"], _req("echo hi")))
+        assert res.exit_code == 0 and tasks == [asyncio.current_task()]
+        hang = asyncio.create_task(hot._slotted(env.node.exec(sb["id"], _req("hang"))))
+        await asyncio.wait_for(started.wait(), 5)
+        hang.cancel()
+        await asyncio.wait_for(cancelled.wait(), 5)
+        assert (await asyncio.wait_for(hot._slotted(env.node.exec(sb["id"], _req("echo hi"))), 5)).exit_code == 0
+    finally:
+        await env.services.close()
+
+
+def _req(cmd: str):  # type: ignore[no-untyped-def]
+    from dsec.models import ExecRequest
+    return ExecRequest(cmd=cmd)
+
+
+def _layers(services):  # type: ignore[no-untyped-def]
+    app = create_app(services, manage_lifecycle=False)
+    layer = app.front  # type: ignore[attr-defined]
+    while layer is not None:
+        yield layer
+        layer = getattr(layer, "app", None)
+
+
 async def test_hot_path_unexpected_error_is_500_json(tmp_path: Path) -> None:
     """A bug below the fast path answers like the app's catch-all: 500 JSON, code internal."""
     env = await make_env(tmp_path)
