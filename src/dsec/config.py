@@ -338,6 +338,10 @@ class Settings(BaseSettings):
     usage_enabled: bool = Field(True, description="Account sandboxes' CPU, memory, execs, bytes written, lifetime")
     usage_sample_interval_s: float = Field(1.0, gt=0, description="How often every live sandbox's cgroup "
                                            "counters are sampled (memory GiB-seconds integrate over samples)")
+    usage_idle_sample_max_s: float = Field(30.0, gt=0, description="A sandbox whose counters did not move since "
+                                           "its last sample is read at doubling intervals up to this (an exec or "
+                                           "any change brings it back to usage_sample_interval_s): idle sandboxes "
+                                           "cost almost nothing per interval")
     usage_flush_interval_s: float = Field(5.0, gt=0, description="Live sandboxes' totals are written to the "
                                           "state database this often (and at every death)")
     usage_retention_s: float = Field(90 * 24 * 3600, gt=0, description="Usage of dead sandboxes is kept this long")

@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dsec.accounting.meter import Accum, Counters, advance, read_counters
+from dsec.accounting.meter import Accum, Counters, advance, next_interval, read_counters
 from dsec.accounting.store import UsageStore
 from dsec.config import Settings
 from dsec.errors import NotFound, QuotaExceeded
@@ -51,6 +51,8 @@ class _Entry:
     exec_count: int = 0
     ended_at: float | None = None
     prom: tuple[str, ...] = ()
+    interval: float = 0.0  # seconds between its samples now (next_interval)
+    due: float = 0.0  # time.monotonic() of its next sample
 
     def usage(self, now: float) -> SandboxUsage:
         end = self.ended_at if self.ended_at is not None else now
@@ -141,6 +143,7 @@ class UsageLedger:
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         self._last_prune = 0.0
+        self.clock: Callable[[], float] = time.monotonic  # when samples are due (tests pass a fake)
 
     # --- wiring ------------------------------------------------------------------------
     def attach(self, manager: Any) -> None:
@@ -173,7 +176,7 @@ class UsageLedger:
                 await self._task
             self._task = None
         with contextlib.suppress(Exception):
-            await self.sample()
+            await self.sample(force=True)
             await self.flush()
         self.store.close()
 
@@ -201,6 +204,8 @@ class UsageLedger:
         e.prom = self._bounded.key_of(e.labels, e.tenant_name)
         # Baseline now: what runc/init used before the hand-over is not the user's.
         advance(e.acc, read_counters(self.cgroup_parent, info.id, e.scratch, now))
+        e.interval = self.settings.usage_sample_interval_s
+        e.due = self.clock() + e.interval
         self.live[info.id] = e
         self._dirty.add(info.id)
 
@@ -232,21 +237,33 @@ class UsageLedger:
         if e is not None:
             e.exec_count += 1
             self._dirty.add(sandbox_id)
+            # A command runs: sample it at the base interval again (it was perhaps backed off).
+            e.interval = self.settings.usage_sample_interval_s
+            e.due = min(e.due, self.clock() + e.interval)
             self.collector.add(e.prom, 2, 1.0)
 
     # --- sampling and persistence ---------------------------------------------------------
-    async def sample(self) -> None:
-        entries = list(self.live.values())
+    async def sample(self, force: bool = False, which: Callable[[_Entry], bool] | None = None) -> None:
+        """Read the counters of every sandbox that is due (``next_interval``: idle ones back
+        off), or of all (``force``: a quota check or report needs them now), optionally only
+        those ``which`` selects. The reads run in a worker thread; the work per interval is
+        O(sandboxes whose counters move), not O(live sandboxes)."""
+        mono = self.clock()
+        entries = [e for e in self.live.values() if (force or e.due <= mono) and (which is None or which(e))]
         if not entries:
             return
         parent = self.cgroup_parent
+        base, cap = self.settings.usage_sample_interval_s, self.settings.usage_idle_sample_max_s
 
         def read() -> list[Counters]:
             return [read_counters(parent, e.sandbox_id, e.scratch, time.time()) for e in entries]
 
         for e, c in zip(entries, await asyncio.to_thread(read)):
             if self.live.get(e.sandbox_id) is e:  # not torn down while we read
+                prev = e.acc.last
                 self._fold(e, c)
+                e.interval = next_interval(prev, c, e.interval, base, cap)
+                e.due = mono + e.interval
                 self._dirty.add(e.sandbox_id)
 
     async def flush(self) -> None:
@@ -284,9 +301,13 @@ class UsageLedger:
     async def report(self, tenant: TenantRecord, labels: dict[str, str], group_by: str | None = None,
                      limit: int = 100) -> UsageReport:
         """The tenant's own sandboxes matching every label (none match an unknown label:
-        an empty report, not an error). Live sandboxes count up to their last sample."""
-        await self.flush()
+        an empty report, not an error). Live sandboxes count up to now: the tenant's matching
+        ones are sampled first (idle ones may be sampled rarely, ``next_interval``)."""
         uid = tenant.uid
+        await self.sample(force=True, which=lambda e: (
+            (e.tenant_uid == uid or (e.tenant_uid is None and e.tenant_name == tenant.name))
+            and all(e.labels.get(k) == v for k, v in labels.items())))
+        await self.flush()
         totals = await asyncio.to_thread(self.store.totals, uid, labels)
         rows = await asyncio.to_thread(self.store.sandboxes, uid, labels, limit) if limit > 0 else []
         groups: list[UsageGroup] = []
@@ -335,7 +356,7 @@ class UsageLedger:
                         quota="max_sandboxes", label=f"{k}={v}", limit=q.max_sandboxes, in_use=n,
                         retry_after=self.settings.api_retry_after_s)
             if q.max_cpu_seconds is not None:
-                await self.sample()
+                await self.sample(force=True)
                 await self.flush()
                 used = await asyncio.to_thread(self.store.cpu_seconds, tenant.uid, k, v)
                 if used >= q.max_cpu_seconds:

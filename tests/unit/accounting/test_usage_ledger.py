@@ -146,3 +146,55 @@ def test_exec_counts_only_tracked_sandboxes(tmp_path: Path) -> None:
     ledger = UsageLedger(Settings(home=tmp_path), SimpleNamespace(), UsageStore(":memory:"))  # type: ignore[arg-type]
     ledger.count_exec("sb-unknown")
     assert ledger.live == {} and ledger.collector.values == {}
+
+
+async def test_idle_sandboxes_are_sampled_rarely_busy_ones_every_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Density (issue 15): with 1,000 idle sandboxes, reading every cgroup each interval
+    kept a worker thread busy ~30 % of a core and slowed every exec (GIL). Sampling is
+    O(sandboxes whose counters move): an idle one backs off to ``usage_idle_sample_max_s``,
+    a busy one is read every interval, an exec brings an idle one back at once, and its
+    memory GiB-s stay exact (steady memory over a long interval); a report is up to date."""
+    from dsec.accounting import ledger as ledger_mod
+    from dsec.accounting.ledger import _Entry
+
+    now = [0.0]
+    reads: dict[str, int] = {}
+
+    def fake_read(parent: str, sid: str, scratch: Path, t: float) -> Counters:
+        reads[sid] = reads.get(sid, 0) + 1
+        busy = sid.startswith("busy")
+        return Counters(t=now[0], cpu_ns=int(now[0] * 1e6) if busy else 5, memory=GIB, disk_used=0)
+
+    monkeypatch.setattr(ledger_mod, "read_counters", fake_read)
+    settings = Settings(home=tmp_path, usage_sample_interval_s=1.0, usage_idle_sample_max_s=8.0)
+    ledger = UsageLedger(settings, SimpleNamespace(), UsageStore(":memory:"))  # type: ignore[arg-type]
+    ledger.clock = lambda: now[0]
+    for i in range(100):
+        sid = f"busy-{i}" if i < 10 else f"idle-{i}"
+        e = _Entry(sandbox_id=sid, tenant_uid="u1", tenant_name="t1", labels={}, started_at=0.0, scratch=tmp_path)
+        e.acc.last, e.interval = fake_read("", sid, tmp_path, 0.0), 1.0
+        e.due = 1.0
+        ledger.live[sid] = e
+    reads.clear()
+    for step in range(1, 61):
+        now[0] = float(step)
+        await ledger.sample()
+    assert all(reads[f"busy-{i}"] == 60 for i in range(10))
+    idle_reads = sum(n for s, n in reads.items() if s.startswith("idle"))
+    assert idle_reads <= 90 * 12, idle_reads  # 1, 2, 4, 8, 8, ... s apart: ~11 each, not 60
+    # Exact memory GiB-s over the backed-off intervals (1 GiB held, sampled up to t=57).
+    last = ledger.live["idle-50"].acc.last
+    assert last is not None and ledger.live["idle-50"].acc.memory_gb_seconds == pytest.approx(last.t)
+    # An exec makes an idle sandbox due at the base interval again.
+    ledger.count_exec("idle-50")
+    before = reads["idle-50"]
+    now[0] = 61.0
+    await ledger.sample()
+    assert reads["idle-50"] == before + 1
+    # A report samples the tenant's live sandboxes first: totals are those of now.
+    now[0] = 62.5
+    tenant = TenantRecord(name="t1", uid="u1", token_hash="h1")
+    rep = await ledger.report(tenant, {})
+    assert rep.totals.memory_gb_seconds == pytest.approx(100 * 62.5)
+    ledger.store.close()
