@@ -107,7 +107,8 @@ class SandboxService:
         self._owners: dict[str, str] = audit.owners  # one map: the audit's sync teardown hook reads it
         self._inflight = 0
         self._creating: set[str] = set()  # recorded in state, not yet listed by the node
-        self._writes: set[asyncio.Future[Any]] = set()  # state writes sent off the hand-over's path
+        self._writes: set[asyncio.Future[Any]] = set()  # state writes sent off the hand-over's and kill's path
+        self._dead_soon: list[str] = []  # killed ids whose dead mark is about to be written
         # Admitted creates not settled yet: quota usage = node listing + these (reserve, then create).
         self._reserved = Reservations()
         self.max_pids = pids_limit(settings.sandbox_max_pids, host_pid_max())
@@ -418,8 +419,9 @@ class SandboxService:
         return info
 
     async def flush(self) -> None:
-        """Wait for the state writes sent off the hand-over's path (before the store closes)."""
-        if self._writes:
+        """Wait for the state writes sent off the hand-over's and the kill's path (before
+        the store closes)."""
+        while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
     def _write_behind(self, write: Awaitable[Any]) -> None:
@@ -458,8 +460,24 @@ class SandboxService:
             await self.audit.before_destroy(sandbox_id, tenant.name)
             await self._destroyer(sandbox_id)
         self.audit.record(sandbox_id, tenant.name, "kill")
-        await self.state.mark_dead([sandbox_id], time.time())
         self._owners.pop(sandbox_id, None)
+        self._mark_dead_soon(sandbox_id)
+
+    def _mark_dead_soon(self, sandbox_id: str) -> None:
+        """A killed id's dead mark, off the kill's critical path and batched with the other
+        kills answered in the same loop iteration: one state store trip for all of them
+        (issue 15: an RL episode ends with a kill). The id is already gone on the node and
+        from this server's owners, so any call naming it fails at once; another server
+        finds no sandbox behind the owner row. If the mark is lost (a crash), ``reconcile``
+        sets it. ``flush`` waits for it."""
+        self._dead_soon.append(sandbox_id)
+        if len(self._dead_soon) == 1:
+            self._write_behind(self._write_dead_soon())
+
+    async def _write_dead_soon(self) -> None:
+        await asyncio.sleep(0)  # kills answered in this loop iteration join the batch
+        ids, self._dead_soon = self._dead_soon, []
+        await self.state.mark_dead(ids, time.time())
 
     async def reaped(self, sandbox_id: str, why: str) -> None:
         """The control plane removed a sandbox on its own (TTL, silent owner lease, release)."""
@@ -580,6 +598,7 @@ class SandboxService:
     async def reconcile(self, now: float | None = None) -> int:
         """Mark sandboxes that vanished (TTL, reaper, crash) dead; prune audit past retention."""
         now = time.time() if now is None else now
+        await self.flush()  # kills' dead marks first: they carry the kill's time
         live = {i.id for i in await self.node.list() if i.state not in _DEAD}
         recorded = await self.state.live_sandbox_ids()
         gone = [s for s in recorded if s not in live and s not in self._creating]

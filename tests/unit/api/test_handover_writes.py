@@ -115,3 +115,33 @@ async def test_create_with_request_id_takes_two_state_trips(env: Env) -> None:
     assert rec.done and rec.info is not None and rec.info["id"] == member.id
     assert await state.sandbox_owner(member.id) == alice.uid
     assert (await svc.create(alice, spec)).id == member.id
+
+
+async def test_kills_answer_before_their_dead_marks_which_go_in_one_batch(env: Env) -> None:
+    """A kill answers without waiting for the state store's dead mark (issue 15: an RL
+    episode ends with a kill), kills answered together share one trip, the killed ids are
+    gone for their owner at once, and the marks land by ``flush`` (and before reconcile)."""
+    svc = env.services.sandboxes
+    alice = await env.services.auth.authenticate(f"Bearer {env.alice_token}")
+    ids = [(await svc.create(alice, SPEC)).id for _ in range(2)]
+    state = env.services.state
+    real = state.mark_dead
+    gate = asyncio.Event()
+    calls: list[list[str]] = []
+
+    async def slow_mark_dead(sandbox_ids: list[str], ts: float) -> None:
+        calls.append(list(sandbox_ids))
+        await gate.wait()  # a slow state store trip
+        await real(sandbox_ids, ts)
+
+    state.mark_dead = slow_mark_dead  # type: ignore[method-assign]
+    await asyncio.wait_for(asyncio.gather(*(svc.kill(alice, i) for i in ids)), 2)
+    for i in ids:
+        with pytest.raises(NotFound):
+            await svc.get(alice, i)
+    await asyncio.sleep(0.01)
+    assert calls == [ids]  # one trip for both
+    assert set(ids) <= set(await state.live_sandbox_ids())  # not written yet
+    gate.set()
+    await svc.flush()
+    assert not set(ids) & set(await state.live_sandbox_ids())
