@@ -76,6 +76,7 @@ class SandboxManager:
         self._lowers: dict[str, list[str]] = {}  # sandbox -> overlay lower dirs (for reset)
         self._reset_locks: dict[str, asyncio.Lock] = {}
         self._recycling: set[str] = set()  # old ids of recycles in flight (start_recycle)
+        self._last_purge = 0.0  # when reap_once last purged retired records
         self._layer_pins: dict[str, int] = {}  # frozen clone layers being made or handed to creates
         # Called with the sandbox id before its resources go (e.g. to copy the network's
         # denied-attempt records into the audit log while they still exist).
@@ -730,7 +731,11 @@ class SandboxManager:
                 reaped += 1
             except DSecError:
                 log.exception("reaping %s failed", rec.info.id)
-        self.records.purge_retired(now - self.settings.audit_retention_s)
+        if now - self._last_purge >= self.settings.api_prune_interval_s:
+            # Not every pass: with 1,000 sandboxes this full-table DELETE (and the records
+            # lock, held by create/destroy threads) ran on the event loop every second.
+            self._last_purge = now
+            await asyncio.to_thread(self.records.purge_retired, now - self.settings.audit_retention_s)
         return reaped
 
     def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:

@@ -198,3 +198,25 @@ async def test_idle_sandboxes_are_sampled_rarely_busy_ones_every_interval(
     rep = await ledger.report(tenant, {})
     assert rep.totals.memory_gb_seconds == pytest.approx(100 * 62.5)
     ledger.store.close()
+
+
+def test_cgroup_counters_read_v1_then_v2(tmp_path: Path) -> None:
+    """The sampler's plain-os readers (issue 15: cheap enough for 1,000 sandboxes) read
+    cgroup v1 files first, else v2 (cpu.stat usage_usec -> ns), and None when the cgroup
+    is gone or a file is junk."""
+    from dsec.accounting.meter import read_cpu_ns, read_memory
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpuacct" / "dsec" / "sb-1").mkdir(parents=True)
+    (v1 / "memory" / "dsec" / "sb-1").mkdir(parents=True)
+    (v1 / "cpuacct" / "dsec" / "sb-1" / "cpuacct.usage").write_text("123456789\n")
+    (v1 / "memory" / "dsec" / "sb-1" / "memory.usage_in_bytes").write_text("4096\n")
+    assert (read_cpu_ns("dsec", "sb-1", v1), read_memory("dsec", "sb-1", v1)) == (123456789, 4096)
+    v2 = tmp_path / "v2"
+    (v2 / "dsec" / "sb-2").mkdir(parents=True)
+    (v2 / "dsec" / "sb-2" / "cpu.stat").write_text("usage_usec 1500\nuser_usec 1000\n")
+    (v2 / "dsec" / "sb-2" / "memory.current").write_text("8192\n")
+    assert (read_cpu_ns("dsec", "sb-2", v2), read_memory("dsec", "sb-2", v2)) == (1_500_000, 8192)
+    (v2 / "dsec" / "sb-2" / "memory.current").write_text("junk\n")
+    assert read_memory("dsec", "sb-2", v2) is None
+    assert (read_cpu_ns("dsec", "sb-gone", v2), read_memory("dsec", "sb-gone", v1)) == (None, None)
