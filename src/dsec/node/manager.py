@@ -294,7 +294,8 @@ class SandboxManager:
         spec = RuntimeSpec(sandbox_id=info.id, rootfs=str(p.rootfs), agent_binary=str(self.agent_binary),
                            cpu=info.cpu, memory=info.memory, pids=info.pids,
                            nofile=min(self.settings.default_nofile, _hard_nofile()), hostname=info.id,
-                           env=rec.env, netns_path=netns, cgroup_parent=self.cgroup_parent)
+                           env=rec.env, netns_path=netns, cgroup_parent=self.cgroup_parent,
+                           init_seccomp=self.settings.init_seccomp)
         config = build_config(spec)
         if info.isolation == "gvisor":
             _gvisor_bind_tmp(config, p.rootfs)
@@ -303,7 +304,7 @@ class SandboxManager:
             config["process"]["args"] = gvisor_relay.serve_args()
             config["mounts"].append(gvisor_relay.write_token(p.base)[1])
             cgroups.create_limited(self.cgroup_parent, info.id, info.memory, info.cpu, info.pids)
-            config["linux"].pop("seccomp")  # gVisor's Sentry is the syscall filter; runsc rejects profiles
+            config["linux"].pop("seccomp", None)  # gVisor's Sentry is the syscall filter; runsc rejects profiles
             if netns is None:  # --network=none: runsc makes its own empty netns
                 config["linux"]["namespaces"] = [n for n in config["linux"]["namespaces"]
                                                  if n["type"] != "network"]

@@ -18,6 +18,10 @@ from dsec.durable import fsync_dir
 from dsec.errors import SandboxFailure
 
 SOURCE = Path(__file__).parent / "agent" / "dsec_init.c"
+# Included by SOURCE: the hand-written profile installer, and the header generated from
+# dsec.runtime.seccomp (the allowed syscalls), which is written next to the build.
+PROFILE_INSTALLER = Path(__file__).parent / "agent" / "seccomp_profile.h"
+GENERATED_HEADER = "dsec_profile.h"
 CFLAGS: tuple[str, ...] = ("-static", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-s")
 COMPILER = "gcc"
 BUILD_TIMEOUT_S = 300.0  # a cold gcc on a loaded 2-core machine; normal is ~1 s
@@ -36,9 +40,19 @@ def _explain_failure(stderr: str) -> str:
     return "compiler error"
 
 
+def _build_inputs() -> tuple[bytes, bytes]:
+    """(what the binary name hashes, the generated header): the source, the profile
+    installer and the generated profile, so a changed seccomp profile is a new binary."""
+    from dsec.runtime.seccomp import init_profile_header
+
+    header = init_profile_header().encode()
+    installer = PROFILE_INSTALLER.read_bytes() if PROFILE_INSTALLER.exists() else b""
+    return SOURCE.read_bytes() + b"\0" + installer + b"\0" + header, header
+
+
 def ensure_agent_binary(dest_dir: Path) -> Path:
     """Path of the built dsec-init under dest_dir; compiles it (temp + rename) if missing."""
-    source = SOURCE.read_bytes()
+    source, header = _build_inputs()
     dest = dest_dir / binary_name(source)
     if dest.exists():
         return dest
@@ -51,8 +65,10 @@ def ensure_agent_binary(dest_dir: Path) -> Path:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        with tempfile.TemporaryDirectory(prefix="dsec-init-build-") as inc:
+            (Path(inc) / GENERATED_HEADER).write_bytes(header)
+            proc = subprocess.run([compiler, *CFLAGS, "-I", inc, "-I", str(PROFILE_INSTALLER.parent), "-o", str(tmp),
+                                   str(SOURCE)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if proc.returncode != 0:
             raise SandboxFailure(f"cannot build the sandbox init from {SOURCE}: {_explain_failure(proc.stderr)}:"
                                  f"\n{proc.stderr.strip()[-2000:]}")

@@ -53,6 +53,9 @@ class RuntimeSpec:
     netns_path: str | None = None
     cgroup_parent: str = "dsec"
     shm_bytes: int = 64 * 1024 * 1024
+    # True: PID 1 installs the seccomp profile on itself (dsec-init --seccomp), so runc
+    # compiles none; False: the same profile as OCI linux.seccomp, compiled by runc.
+    init_seccomp: bool = False
 
 
 def _mounts(spec: RuntimeSpec) -> list[dict[str, Any]]:
@@ -97,15 +100,16 @@ def _namespaces(spec: RuntimeSpec) -> list[dict[str, str]]:
 
 
 def build_config(spec: RuntimeSpec) -> dict[str, Any]:
-    """The OCI config.json for one sandbox; PID 1 is the exec agent."""
+    """The OCI config.json for one sandbox; PID 1 is the exec agent (which installs the
+    seccomp profile on itself with ``init_seccomp``; else runc does)."""
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm", **spec.env}
     caps = list(SANDBOX_CAPABILITIES)
-    return {
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH_IN_SANDBOX],
+            "args": [AGENT_PATH_IN_SANDBOX, *(["--seccomp"] if spec.init_seccomp else [])],
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps,
@@ -126,7 +130,9 @@ def build_config(spec: RuntimeSpec) -> dict[str, Any]:
             "namespaces": _namespaces(spec),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(READONLY_PATHS),
-            "seccomp": seccomp_profile(),
             "rootfsPropagation": "private",
         },
     }
+    if not spec.init_seccomp:
+        config["linux"]["seccomp"] = seccomp_profile()
+    return config
