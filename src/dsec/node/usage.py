@@ -74,7 +74,12 @@ class SandboxCpuProbe:
         self.parent, self.cpus, self.root, self.clock = parent, cpus, root, clock
         first = read_cgroup_cpu_ns(parent, root)
         if first is None:
-            raise FileNotFoundError(f"no CPU accounting for cgroup {parent!r} under {root}")
+            # A parent not made yet (this node's first sandbox is still to come) has used no
+            # CPU; only a host without CPU accounting at all falls back to /proc/stat.
+            # (Before, a fresh parent meant whole-machine load: other jobs stopped admissions.)
+            if not ((root / "cpuacct").is_dir() or (root / "cgroup.controllers").is_file()):
+                raise FileNotFoundError(f"no CPU accounting for cgroup {parent!r} under {root}")
+            first = 0
         self._last = (self.clock(), first)
 
     def __call__(self, _node_id: str) -> float:

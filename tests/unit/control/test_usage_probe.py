@@ -69,3 +69,18 @@ def test_sandbox_probe_refuses_without_accounting(tmp_path: Path) -> None:
     """No cgroup accounting -> a clear error, so the caller falls back to /proc/stat."""
     with pytest.raises(FileNotFoundError, match="dsec"):
         SandboxCpuProbe("dsec", 2.0, tmp_path)
+
+
+def test_sandbox_probe_counts_a_parent_not_made_yet_as_idle(tmp_path: Path) -> None:
+    """A node whose parent cgroup does not exist yet (a fresh DSEC_CGROUP_PARENT, or the
+    first serve on a host) still measures its sandboxes, not the whole machine: other jobs'
+    load must not stop its admissions. The parent appears with the first sandbox."""
+    (tmp_path / "cpuacct").mkdir()
+    t = [0.0]
+    probe = SandboxCpuProbe("fresh", 2.0, tmp_path, clock=lambda: t[0])
+    t[0] = 1.0
+    assert probe("n") == 0.0
+    (tmp_path / "cpuacct" / "fresh").mkdir()
+    (tmp_path / "cpuacct" / "fresh" / "cpuacct.usage").write_text(str(10**9))
+    t[0] = 2.0
+    assert probe("n") == pytest.approx(0.5)
