@@ -59,7 +59,8 @@ class SchedulerState(BaseModel):
         "[{cpu, memory, disk, isolation, gpu, count}] and the same as Ray autoscaler `ray_bundles`")
     prefetch: dict[str, Any] | None = Field(None, description="The image prefetcher (dsec.cluster.prefetch) on a "
                                             "cluster: `stats` (passes, jobs, done, failed, skipped, bytes), "
-                                            "`inflight` {node: image}, `recent` jobs; None when it does not run")
+                                            "`inflight` {node: image}, `recent` jobs, `last_pass` (popular images "
+                                            "and their likely nodes); None when it does not run")
 
 
 class PoolShape(BaseModel):
@@ -134,7 +135,8 @@ def _prefetch_view(driver: Any) -> dict[str, Any] | None:
     p = getattr(driver, "prefetcher", None)
     if p is None:
         return None
-    return {"stats": dict(p.stats), "inflight": dict(p.busy), "recent": list(p.results[-10:])}
+    return {"stats": dict(p.stats), "inflight": dict(p.busy), "recent": list(p.results[-10:]),
+            "last_pass": dict(p.last_pass)}
 
 
 def demand_of(driver: Any) -> Any:

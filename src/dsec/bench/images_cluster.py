@@ -19,7 +19,11 @@ Measured, in the same run (and cluster):
 3. **cold node create -> first exec** through a node agent: the image on no node (pull
    from the registry), then on a second node while the first holds it (pull from the
    peer); pull time reported apart (the node's own pull record), then unpack + create +
-   exec.
+   exec;
+4. with ``--prefetch`` (3+ nodes): a third node gets the image by the prefetch path the
+   scheduler leader uses (``p2p_admin("prefetch")``: peers first, one blob at a time,
+   registered and unpacked), timed apart; then create -> first exec there, which finds
+   the image present (the same measure as 3., with the prefetch done before the create).
 
 Between phases each node forgets the image (blobs, unpacked layers), so every phase
 starts cold.
@@ -28,6 +32,7 @@ starts cold.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -140,7 +145,7 @@ def _phase(reg: ShapedRegistry, handles: dict[str, Any], ref: str, peers: bool) 
     return {"wall_s": round(wall, 3), "registry_tx_bytes": sent, "nodes": per}
 
 
-def _cold_create(handles: dict[str, Any], address: str, ref: str) -> dict[str, Any]:
+def _cold_create(handles: dict[str, Any], address: str, ref: str, prefetch: bool = False) -> dict[str, Any]:
     """create -> first exec on a node without the image: first with the image on no node
     (pull from the registry), then on another node while the first holds it (peer)."""
     import asyncio
@@ -174,11 +179,20 @@ def _cold_create(handles: dict[str, Any], address: str, ref: str) -> dict[str, A
     nodes = sorted(handles)
     out["from_registry"] = asyncio.run(one(nodes[0]))
     out["from_peer"] = asyncio.run(one(nodes[1]))
+    if prefetch:
+        target = nodes[2]
+        t0 = time.perf_counter()
+        res = _admin({target: handles[target]}, "prefetch", {"ref": ref})[target]
+        pre_s = time.perf_counter() - t0
+        status = res.get("status") or {}
+        out["after_prefetch"] = {**asyncio.run(one(target)), "prefetch_s": round(pre_s, 3),
+                                 "prefetch_sources": status.get("sources", {}),
+                                 "prefetch_fetch_s": status.get("fetch_seconds")}
     return out
 
 
 def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit", rounds: int = 1,
-        image: str = "python", node_tmpfs: str = "") -> dict[str, Any]:
+        image: str = "python", node_tmpfs: str = "", prefetch: bool = False) -> dict[str, Any]:
     """``node_tmpfs`` (e.g. ``4g``): the nodes' homes on a tmpfs the bench mounts. On one
     box every "node" otherwise writes to the same disk, and that disk (not the registry
     link) can be what limits both phases; real nodes each have their own."""
@@ -188,6 +202,8 @@ def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit",
     from dsec.images.registry_ops import push
     from dsec.images.stock import ensure_stock
 
+    if prefetch and nodes < 3:
+        raise SystemExit("--prefetch needs 3 nodes or more (registry, peer, prefetched)")
     if os.geteuid() != 0:
         raise SystemExit("dsec bench images-cluster needs root (network namespace, tc, cgroups)")
     report_dir = Path(report_dir)
@@ -223,10 +239,12 @@ def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit",
             rounds_out.append(one)
             print(json.dumps({k: {"wall_s": v["wall_s"], "registry_tx_bytes": v["registry_tx_bytes"]}
                               for k, v in one.items()}), file=sys.stderr)
-        cold = _cold_create(handles, c.address, ref)
+        cold = _cold_create(handles, c.address, ref, prefetch)
         stats = _admin(handles, "stats", {})
 
         def med(key: str, field: str) -> float:
+            if not rounds_out:  # --rounds 0: the cold creates only
+                return float("nan")
             return float(statistics.median(x[key][field] for x in rounds_out))
 
         result = {
@@ -259,6 +277,7 @@ def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit",
             if mounted:
                 _sh("umount", "-l", str(base), check=False)
             shutil.rmtree(work, ignore_errors=True)
+    result = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}  # no rounds
     (report_dir / "images-cluster.json").write_text(json.dumps(result, indent=2))
     return result
 

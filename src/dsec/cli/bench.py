@@ -69,13 +69,15 @@ def images_cluster(nodes: int = typer.Option(5, help="DSec nodes of the local Ra
                    image: str = typer.Option("python", help="stock image pushed and pulled"),
                    node_tmpfs: str = typer.Option("", help="put the nodes' homes on a tmpfs of this size (e.g. 4g): "
                                                   "on one box the nodes otherwise share one disk"),
+                   prefetch: bool = typer.Option(False, help="also: create -> first exec on a third node after "
+                                                 "the scheduler's prefetch path put the image there"),
                    out: Path = typer.Option(Path("reports"), help="report directory")) -> None:
     """N nodes start the same image at once from a registry in its own netns behind a
     tc-shaped veth: registry bytes and wall time with peers vs all from the registry;
-    cold node create -> first exec with the pull apart."""
+    cold node create -> first exec with the pull apart (``--rounds 0``: only that)."""
     from dsec.bench.images_cluster import run
-    _emit(run(out, nodes=nodes, rate=rate, rounds=rounds, image=image, node_tmpfs=node_tmpfs), out,
-          "images-cluster-bench")
+    _emit(run(out, nodes=nodes, rate=rate, rounds=rounds, image=image, node_tmpfs=node_tmpfs, prefetch=prefetch),
+          out, "images-cluster-bench")
 
 
 @app.command("exec-agent")

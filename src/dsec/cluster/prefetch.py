@@ -46,6 +46,7 @@ class Prefetcher:
         self.tried: dict[tuple[str, str], float] = {}  # (node, image) -> when (monotonic) a job started
         self.access: dict[str, list[str]] = {}  # image name -> layer digests in first-demand order
         self.results: list[dict[str, Any]] = []  # the last jobs' outcomes (tests, logs)
+        self.last_pass: dict[str, Any] = {}  # what the last pass saw (GET /v1/scheduler -> prefetch)
         self.stats = {"passes": 0, "jobs": 0, "done": 0, "failed": 0, "skipped": 0, "bytes": 0}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -69,6 +70,7 @@ class Prefetcher:
                                         s.image_prefetch_min_creates)
                if pull_source(name, s.image_registry, True) is not None]
         room = s.image_prefetch_max_inflight - len(self.busy)
+        self.last_pass = {"popular": hot, "likely": {}}
         if not hot or room <= 0:
             return []
         await self.refresh()
@@ -81,6 +83,7 @@ class Prefetcher:
                                             s.image_prefetch_nodes)
         self.tried = {k: t for k, t in self.tried.items() if now - t < s.image_prefetch_retry_s}
         jobs = plan(hot, sched.images, likely, self.access, self.busy, self.tried, room)
+        self.last_pass["likely"] = {name: [n.node_id for n in nodes] for name, nodes in likely.items()}
         for job in jobs:
             self.busy[job.node] = job.image
             self.tried[(job.node, job.image)] = now

@@ -12,7 +12,10 @@ and one `dsec serve --cluster` are shared by every check here:
 - corrupt peer: a "peer" the directory says holds a layer serves other bytes: skipped,
   the registry used, the sandbox runs on verified bytes;
 - cluster GC on a node: nothing a running sandbox uses goes; once idle "for 2 days", the
-  non-base layer goes and the base layer (fewer than 3 copies) stays.
+  non-base layer goes and the base layer (fewer than 3 copies) stays;
+- prefetch: an image created twice through the API becomes popular and the leader's
+  prefetcher puts it on the nodes that lacked it before any create asks there; a create
+  there then fetches nothing; a warm pool of an image only one node holds is built on it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -80,15 +84,20 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         imgs = {}
         for name, extra in (("team/one", 256 << 10), ("team/fan", 2 << 20), ("team/bad", 256 << 10),
-                            ("team/gc", 64 << 10)):
+                            ("team/gc", 64 << 10), ("team/pop", 512 << 10), ("team/warm", 64 << 10)):
             st, info = _image(tmp, name, extra, top=name == "team/gc")
             push(st, name, f"{reg.host}/{name}:1")
             imgs[name] = info
         c = local.up(base, 3, [], timeout_s=300, log=lambda _m: None)
         # No demand-driven warm members: they would pull the image on other nodes too and
-        # blur which node pulled what (each check below names its nodes).
+        # blur which node pulled what (each check below names its nodes). Prefetch passes
+        # every second, onto every node (3) that lacks a popular image. The box's own load
+        # (other work on a shared machine) must not make every node look full: neither
+        # the creates, the pool nor the prefetcher's "nodes with room" are about that.
         srv = start_serve(tmp / "api", {"DSEC_CLUSTER": c.address, **local.shared_env(c),
-                                        "DSEC_WARM_POOL_FACTOR": "0"}, timeout=240)
+                                        "DSEC_WARM_POOL_FACTOR": "0", "DSEC_IMAGE_PREFETCH_INTERVAL_S": "1",
+                                        "DSEC_IMAGE_PREFETCH_NODES": "3", "DSEC_OVERCOMMIT_THRESHOLD": "100"},
+                          timeout=240)
         yield {"reg": reg, "cluster": c, "srv": srv, "images": imgs, "tmp": tmp, "base": base}
     finally:
         if saved is None:
@@ -270,3 +279,91 @@ def test_cluster_gc_keeps_used_and_base_layers_drops_idle_others(env: dict[str, 
     assert not any("team/gc" in n for i in index.images for n in i.names), index
     assert kv._internal_kv_get(f"p2p:has:{top}:{node}", namespace="dsec") is None
     assert kv._internal_kv_get(f"p2p:has:{base}:{node}", namespace="dsec") is not None
+
+
+def test_prefetch_popular_image_then_pool_on_layer_holders(env: dict[str, Any]) -> None:
+    """Two creates of team/pop through the API make it popular: the leader's prefetcher
+    puts it on every node that lacked it, before any create asks for it there (each such
+    node has exactly one pull of it, a prefetch, from peers; `dsec node ls --json` counts
+    its prefetched bytes). A create on such a node then fetches nothing (no new pull, no
+    registry or peer fetch). A warm pool of team/warm, which only one node holds (the
+    scheduler learns it from the nodes' layer indexes), is built on that node: its members
+    pull nothing anywhere else."""
+    srv = env["srv"]
+    proxies = _proxies(env["cluster"].address)
+    holder = max(proxies)
+    asyncio.run(_create_on(proxies[holder], "team/warm:1"))  # team/warm on this node only
+    size = sum(li.size for li in env["images"]["team/pop"].layers)
+
+    async def pulls_of(p: Any, ref: str) -> list[Any]:
+        return [x for x in (await p.health()).pulls if ref in x.ref]
+
+    async def holds(p: Any, ref: str) -> bool:
+        return any(ref in n for i in (await p.layer_index()).images for n in i.names)
+
+    with httpx.Client(base_url=srv.url, headers={"authorization": f"Bearer {srv.token}"}, timeout=180) as c:
+        made = []
+        for _ in range(2):
+            r = c.post("/v1/sandboxes", json={**SHAPE, "image": "team/pop:1"})
+            assert r.status_code == 201, r.text
+            made.append(r.json())
+            assert c.delete(f"/v1/sandboxes/{made[-1]['id']}").status_code == 204
+        # The nodes no create pulled it on (a create the scheduler retried elsewhere may
+        # have pulled it on a second node): a pull there can only be a prefetch.
+        seen = {n: asyncio.run(pulls_of(p, "team/pop")) for n, p in proxies.items()}
+        lacking = sorted(n for n, xs in seen.items() if all(x.prefetch for x in xs))
+        assert lacking, (made, seen)
+        deadline = time.monotonic() + 60
+        while not all(asyncio.run(holds(proxies[n], "team/pop")) for n in lacking):
+            st = c.get("/v1/scheduler").json()
+            assert time.monotonic() < deadline, (lacking, seen, st["prefetch"], st["nodes"])
+            time.sleep(0.5)
+        view = c.get("/v1/scheduler").json()["prefetch"]
+        assert view["stats"]["done"] >= len(lacking), view
+        for n in lacking:
+            pulls = asyncio.run(pulls_of(proxies[n], "team/pop"))
+            assert [(p.prefetch, p.state) for p in pulls] == [(True, "done")], pulls
+            assert "registry" not in pulls[0].sources, pulls  # peers first: the creates' node had it
+            assert sum(v for k, v in pulls[0].sources.items() if k.startswith("peer:")) >= size, pulls
+        rows = json.loads(subprocess.run([DSEC, "node", "ls", "--json", "--cluster", env["cluster"].address],
+                                         capture_output=True, text=True, timeout=120, check=True).stdout)
+        assert all({r["id"]: r for r in rows}[n]["prefetched_bytes"] >= size for n in lacking), rows
+
+        # A create on a prefetched node: the image is there, nothing is fetched.
+        target = lacking[0]
+
+        async def create_there() -> tuple[Any, Any, str, Any, Any]:
+            p = proxies[target]
+            s0, n0 = await p.p2p_admin("stats", {}), await pulls_of(p, "team/pop")
+            out = await _create_on(p, "team/pop:1")
+            return s0, n0, out, await p.p2p_admin("stats", {}), await pulls_of(p, "team/pop")
+
+        s0, n0, out, s1, n1 = asyncio.run(create_there())
+        assert out == "team/pop\n"
+        assert len(n1) == len(n0) == 1, n1  # no pull at create time
+        assert (s1["registry_fetches"], s1["from_peers"]) == (s0["registry_fetches"], s0["from_peers"])
+
+        # A warm pool of an image only `holder` holds is built there.
+        spec = {**SHAPE, "image": "team/warm:1"}
+        assert c.put("/v1/pools", json={"spec": spec, "size": 2}).status_code == 200
+        from dsec.control.convert import POOL_LABEL
+
+        async def members() -> dict[str, int]:  # node -> ready team/warm pool members there
+            out = {}
+            for n, p in proxies.items():
+                got = [i for i in await p.list(labels={POOL_LABEL: "1"})
+                       if i.image == "team/warm:1" and i.state.value == "ready"]
+                if got:
+                    out[n] = len(got)
+            return out
+
+        try:
+            deadline = time.monotonic() + 60
+            while sum((where := asyncio.run(members())).values()) < 2:
+                assert time.monotonic() < deadline, c.get("/v1/pools").text
+                time.sleep(0.5)
+            assert where == {holder: 2}, where
+            for n in set(proxies) - {holder}:
+                assert not asyncio.run(pulls_of(proxies[n], "team/warm")), n
+        finally:
+            c.put("/v1/pools", json={"spec": spec, "size": 0})

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -175,3 +176,50 @@ def test_blob_endpoint_is_token_only_read_only_and_by_digest(tmp_path: Path, reg
     assert httpx.put(url, headers=good, content=b"x").status_code == 501
     r = httpx.get(url, headers=good)
     assert r.status_code == 200 and r.content == n.store.content.path(d).read_bytes()
+
+
+def test_prefetch_waits_for_a_create_pull_then_fetches_from_peers(tmp_path: Path, registry: Registry, pushed: str,
+                                                                 directory: KVDirectory,
+                                                                 nodes: list[NodePeers]) -> None:
+    """The node side of the scheduler's prefetch (``p2p_admin("prefetch")``): while a pull
+    that a create waits on is in flight on the node (here an entry in the node's real pull
+    tracker standing for it), the prefetch fetches nothing; a second prefetch meanwhile
+    answers "busy" (one at a time per node). Once that pull is done it gets every blob from
+    the peer that holds the image (none from the registry), registers the image under the
+    name creates use (a create then resolves it with no pull) and counts the bytes as
+    prefetched."""
+    from dsec.images.registry_ops import PULLS
+
+    nodes += [_node(tmp_path, f"p{i}", registry, directory) for i in range(2)]
+    holder, target = nodes
+    resolve_or_pull(holder.store, pushed)
+    before = PULLS.prefetched_bytes
+    create_pull = PULLS.start("stands-for-a-create's-pull", 1, 1)
+    finished = False
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(target.admin, "prefetch", {"ref": pushed})
+            deadline = time.monotonic() + 30
+            while not [p for p in PULLS.snapshot() if p.prefetch and p.state == "pulling"]:
+                assert time.monotonic() < deadline and not fut.done(), fut.result() if fut.done() else None
+                time.sleep(0.05)
+            time.sleep(1.0)  # it is waiting, not fetching
+            live = [p for p in PULLS.snapshot() if p.prefetch and p.state == "pulling"]
+            assert len(live) == 1 and live[0].blobs_done == 0 and not fut.done(), live
+            assert target.admin("prefetch", {"ref": pushed})["skipped"].startswith("busy")
+            PULLS.finish(create_pull)
+            finished = True
+            res = fut.result(timeout=120)
+    finally:
+        if not finished:
+            PULLS.finish(create_pull)
+    assert res["skipped"] == "" and res["status"]["prefetch"] and res["status"]["state"] == "done", res
+    info = holder.store.resolve(pushed)
+    size = sum(li.size for li in info.layers) + holder.store.content.size(info.id)
+    assert set(res["status"]["sources"]) == {"peer:p0"}, res
+    assert res["status"]["sources"]["peer:p0"] == size
+    assert PULLS.prefetched_bytes - before == size
+    assert target.store.resolve_fast(pushed).id == info.id
+    assert target.store.layers.present(info.layers[0].diff_id)  # unpacked: a create has nothing to do
+    assert target.admin("prefetch", {"ref": pushed})["skipped"].startswith("already here")
+    _no_partial(target.store)
