@@ -36,7 +36,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
-    return {"n": len(xs), "median_ms": statistics.median(xs) * 1000, "p99_ms": _pct(xs, 0.99) * 1000}
+    return {"n": len(xs), "median_ms": statistics.median(xs) * 1000, "p99_ms": _pct(xs, 0.99) * 1000,
+            "min_ms": min(xs) * 1000 if xs else float("nan")}
 
 
 class _Podman:
@@ -86,22 +87,31 @@ async def _destroy_timed(agent: LocalNodeAgent, sid: str) -> float:
 
 
 async def bench_start(agent: LocalNodeAgent, image: str, rounds: int, work: Path,
-                      progress: Callable[[str], None]) -> dict[str, Any]:
+                      progress: Callable[[str], None],
+                      variants: dict[str, LocalNodeAgent] | None = None) -> dict[str, Any]:
+    """``variants``: more nodes (other settings) measured in the same alternation, each
+    reported under its name (e.g. the cold path with runc compiling the seccomp profile)."""
     podman = _Podman(agent, image, work)
     ours, theirs, destroys = [], [], []
+    others: dict[str, list[float]] = {name: [] for name in variants or {}}
     try:
         podman.run_true()  # warm podman's own caches, as ours are warm after ensure-stock
         for i in range(rounds):  # alternate to share the machine's noise fairly
             dt, sid = await _create_first_exec(agent, image)
             ours.append(dt)
             destroys.append(await _destroy_timed(agent, sid))
+            for name, other in (variants or {}).items():
+                dt, sid = await _create_first_exec(other, image)
+                others[name].append(dt)
+                await other.destroy(sid)
             theirs.append(await asyncio.to_thread(podman.run_true))
             progress(f"start[{image}] {i + 1}/{rounds}")
     finally:
         podman.close()
     o, t = statistics.median(ours), statistics.median(theirs)
     return {"image": image, "ours": _summary(ours), "podman_run_rm": _summary(theirs),
-            "ratio_ours_vs_podman": o / t, "destroy": _summary(destroys)}
+            "ratio_ours_vs_podman": o / t, "destroy": _summary(destroys),
+            **{name: _summary(xs) for name, xs in others.items()}}
 
 
 async def bench_exec(agent: LocalNodeAgent, n: int, progress: Callable[[str], None]) -> dict[str, Any]:

@@ -402,9 +402,22 @@ def run(only: tuple[str, ...] = ROWS, rounds: int = 20, samples: int = 300, gvis
             agent = LocalNodeAgent(get_settings())
             await agent.start()
             work = Path(tempfile.mkdtemp(prefix="dsec-speed-cold-"))
+            # Same-run baseline of the cold path before PID 1 installed the seccomp profile:
+            # runc compiles it on each create (DSEC_INIT_SECCOMP=false); own home and cgroup
+            # parent (its reconcile must not see ours), the same image store.
+            base = get_settings()
+            alt = LocalNodeAgent(base.model_copy(update={
+                "home": work / "alt", "run_dir": Path(tempfile.mkdtemp(prefix="dsr-", dir="/tmp")),
+                "cgroup_parent": f"{base.cgroup_parent}-bench-alt", "init_seccomp": False}), images=agent.images)
+            await alt.manager.start()
             try:
-                return await sandbox.bench_start(agent, "busybox", rounds, work, progress)
+                return await sandbox.bench_start(agent, "busybox", rounds, work, progress,
+                                                 variants={"runc_compiles_seccomp": alt})
             finally:
+                for sid in list(alt.manager.live):
+                    await alt.destroy(sid)
+                alt.manager.close()
+                shutil.rmtree(alt.settings.runtime_dir, ignore_errors=True)
                 shutil.rmtree(work, ignore_errors=True)
                 await agent.close()
         report["cold"] = asyncio.run(cold())
@@ -452,9 +465,11 @@ def table(r: dict[str, Any]) -> str:
                     f"| {base} | >= 100 |")
     if "cold" in r:
         c = r["cold"]
+        alt = c.get("runc_compiles_seccomp")
+        alt_txt = f"; runc compiling the seccomp profile: {alt['median_ms']:.1f} ms" if alt else ""
         rows.append(f"| cold start create -> first exec (busybox), median | {c['ours']['median_ms']:.1f} ms "
-                    f"| podman run --rm {c['podman_run_rm']['median_ms']:.1f} ms "
-                    f"({c['ratio_ours_vs_podman']:.3f}x) | <= 0.25x and < 50 ms |")
+                    f"(min {c['ours']['min_ms']:.1f}) | podman run --rm {c['podman_run_rm']['median_ms']:.1f} ms "
+                    f"({c['ratio_ours_vs_podman']:.3f}x){alt_txt} | <= 0.25x and < 50 ms |")
     return "\n".join(rows)
 
 
