@@ -12,8 +12,10 @@ Run: ``dsec bench sandbox`` (root; needs the stock images from ``dsec image ensu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -71,9 +73,50 @@ class _Podman:
         shutil.rmtree(self.runroot, ignore_errors=True)
 
 
-async def _create_first_exec(agent: LocalNodeAgent, image: str) -> tuple[float, str]:
+class _RuncShare:
+    """runc's share of a cold create, measured on the agent's own runtime: the wall time
+    of ``runc run -d``, runc's CPU on the host side (runc and the runc-init stages it
+    reaps: this process's RUSAGE_CHILDREN) and the CPU charged to the new sandbox's
+    cgroup by the time it is ready (runc init after it joined, then dsec-init's start)."""
+
+    def __init__(self, agent: LocalNodeAgent) -> None:
+        self.agent = agent
+        self.wall: list[float] = []
+        self.host_cpu: list[float] = []
+        self.sandbox_cpu: list[float] = []
+        rt = agent.manager.runtime("container")
+        inner = rt.run
+
+        async def timed_run(*args: Any, **kw: Any) -> int:
+            t0, c0 = time.perf_counter(), _children_cpu()
+            try:
+                return await inner(*args, **kw)
+            finally:
+                self.wall.append(time.perf_counter() - t0)
+                self.host_cpu.append(_children_cpu() - c0)
+        rt.run = timed_run  # type: ignore[method-assign]  # this bench's agent only
+
+    def ready(self, sandbox_id: str) -> None:
+        usage = Path("/sys/fs/cgroup/cpuacct") / self.agent.manager.cgroup_parent / sandbox_id / "cpuacct.usage"
+        with contextlib.suppress(OSError, ValueError):  # no v1 cpuacct: not reported
+            self.sandbox_cpu.append(int(usage.read_text()) / 1e9)
+
+    def report(self) -> dict[str, Any]:
+        return {"runc_run_d": _summary(self.wall), "runc_host_cpu": _summary(self.host_cpu),
+                **({"sandbox_cpu_at_ready": _summary(self.sandbox_cpu)} if self.sandbox_cpu else {})}
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+async def _create_first_exec(agent: LocalNodeAgent, image: str, share: _RuncShare | None = None,
+                             ) -> tuple[float, str]:
     t0 = time.perf_counter()
     info = await agent.create(SandboxSpec(image=image, cpu=1, memory="512M", disk="1G"))
+    if share is not None:
+        share.ready(info.id)
     r = await agent.exec(info.id, ExecRequest(cmd=["true"]))
     dt = time.perf_counter() - t0
     assert r.exit_code == 0, r
@@ -94,10 +137,11 @@ async def bench_start(agent: LocalNodeAgent, image: str, rounds: int, work: Path
     podman = _Podman(agent, image, work)
     ours, theirs, destroys = [], [], []
     others: dict[str, list[float]] = {name: [] for name in variants or {}}
+    share = _RuncShare(agent)
     try:
         podman.run_true()  # warm podman's own caches, as ours are warm after ensure-stock
         for i in range(rounds):  # alternate to share the machine's noise fairly
-            dt, sid = await _create_first_exec(agent, image)
+            dt, sid = await _create_first_exec(agent, image, share)
             ours.append(dt)
             destroys.append(await _destroy_timed(agent, sid))
             for name, other in (variants or {}).items():
@@ -110,7 +154,7 @@ async def bench_start(agent: LocalNodeAgent, image: str, rounds: int, work: Path
         podman.close()
     o, t = statistics.median(ours), statistics.median(theirs)
     return {"image": image, "ours": _summary(ours), "podman_run_rm": _summary(theirs),
-            "ratio_ours_vs_podman": o / t, "destroy": _summary(destroys),
+            "ratio_ours_vs_podman": o / t, "destroy": _summary(destroys), "of_ours": share.report(),
             **{name: _summary(xs) for name, xs in others.items()}}
 
 
