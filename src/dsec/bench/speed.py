@@ -148,14 +148,41 @@ def _mem_used() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def _leftovers(home: Path) -> dict[str, int]:
-    """What a destroyed-everything node may still hold: sandbox dirs, cgroups, mounts, runtimes."""
+def _leftovers(home: Path, ids: list[str], parent: str = "dsec") -> dict[str, int]:
+    """What destroying everything may have left of the sandboxes ``ids``: their dirs,
+    mounts under ``home`` (rootfs, scratch tmpfs, netns binds), their cgroups in any
+    controller (v1 or v2; other users of the parent cgroup on a shared box are not
+    counted), processes still in one of them, and node records not destroyed."""
+    import re
+    import sqlite3
+
+    mine = set(ids)
     mounts = sum(str(home) in line for line in Path("/proc/self/mounts").read_text().splitlines())
-    cg = Path("/sys/fs/cgroup/dsec")
-    cgroups = len([p for p in cg.iterdir() if p.is_dir() and p.name.startswith("sb-")]) if cg.is_dir() else 0
+    root = Path("/sys/fs/cgroup")
+    bases = [root / parent, *(c / parent for c in root.iterdir() if (c / parent).is_dir())]
+    cgroups = sum((b / sid).is_dir() for b in bases for sid in mine)
+    procs = zombies = 0
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mine & set(re.findall(r"sb-[0-9a-f]+", (d / "cgroup").read_text())):
+                    # A zombie keeps showing its (removed) cgroup until its parent reaps it.
+                    zombie = (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                    zombies += zombie
+                    procs += not zombie
+            except (OSError, IndexError):
+                continue
+    records = 0
+    with contextlib.suppress(sqlite3.Error):
+        db = sqlite3.connect(f"file:{home / 'node' / 'sandboxes.db'}?mode=ro", uri=True)
+        try:
+            records = db.execute("SELECT COUNT(*) FROM sandboxes WHERE state NOT IN ('stopped', 'destroyed')"
+                                 ).fetchone()[0]
+        finally:
+            db.close()
     sdirs = home / "sandboxes"
     return {"sandbox_dirs": len(list(sdirs.iterdir())) if sdirs.is_dir() else 0, "mounts": mounts,
-            "cgroups": cgroups}
+            "cgroups": cgroups, "processes": procs, "zombies": zombies, "node_records_not_destroyed": records}
 
 
 async def _density(count: int, execs: int, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -219,8 +246,14 @@ async def _density(count: int, execs: int, progress: Callable[[str], None]) -> d
             for i in range(0, len(ids), 32):
                 await asyncio.gather(*(c.kill(s) for s in ids[i:i + 32]))
             out["destroy_all_s"] = round(time.perf_counter() - t0, 1)
-        await asyncio.sleep(1)
-        out["leftovers_after_destroy"] = _leftovers(home)
+            out["listed_after_destroy"] = len(await c.list())
+        t0 = time.perf_counter()
+        while True:  # killed processes may take a moment to be gone (and reaped by their parent)
+            left = _leftovers(home, ids)
+            if not any(left.values()) or time.perf_counter() - t0 > 10:
+                break
+            await asyncio.sleep(0.5)
+        out["leftovers_after_destroy"], out["leftovers_checked_after_s"] = left, round(time.perf_counter() - t0, 1)
     finally:
         srv.stop()
         shutil.rmtree(home, ignore_errors=True)
