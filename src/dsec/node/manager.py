@@ -104,11 +104,11 @@ class SandboxManager:
         return rt
 
     def _set_state(self, rec: SandboxRecord, state: S, *, persist: bool = True, **changes: Any) -> None:
+        """``persist=False``: the caller writes the record itself (several in one commit)."""
         check_transition(rec.info.id, rec.info.state, state)
         rec.info = rec.info.model_copy(update={"state": state, **changes})
         if persist and state in (S.ready, S.idle, S.creating, S.stopping, S.stopped, S.failed, S.destroyed):
-            self.records.put(rec.model_copy(update={"info": rec.info.model_copy(
-                update={"state": persisted(state)})}))
+            self.records.put(_persistable(rec))
         for cb in self.on_state_change:
             cb(rec.info)
 
@@ -468,7 +468,7 @@ class SandboxManager:
         image = self.images.resolve_fast(spec.image)
         r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
         nid = new_sandbox_id()
-        self._set_state(old, S.stopping, error="recycled")  # retired: no call reaches it from here
+        self._set_state(old, S.stopping, persist=False, error="recycled")  # retired: no call reaches it from here
         self._recycling.add(sandbox_id)
         now = time.time()
         new = SandboxRecord(info=SandboxInfo(
@@ -476,7 +476,8 @@ class SandboxManager:
             memory=info.memory, disk=info.disk, pids=info.pids, timeout=r.timeout, network=None,
             labels=spec.labels, tenant=None, node=info.node, created_at=now, pid=info.pid),
             spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=old.cgroup_parent)
-        self.records.put(new)  # before any rename: a crash leaves both ids for reconcile to clean
+        # Both ids in one commit, before any rename: a crash leaves both for reconcile to clean.
+        self.records.put_many([_persistable(old), new])
         self.live[nid] = new
         po, pn = self.paths(sandbox_id), self.paths(nid)
         rt = self.runtime("container")
@@ -535,8 +536,9 @@ class SandboxManager:
             self.live.pop(sandbox_id, None)
             self.active_execs.pop(sandbox_id, None)
             self._reset_locks.pop(sandbox_id, None)
-            self._set_state(old, S.stopped, pid=None)
-            self._set_state(new, S.ready, pid=info.pid)
+            self._set_state(old, S.stopped, persist=False, pid=None)
+            self._set_state(new, S.ready, persist=False, pid=info.pid)
+            self.records.put_many([old, new])  # one commit
             self.counters["recycled"] = self.counters.get("recycled", 0) + 1
             log.debug("recycled %s as %s: %s", sandbox_id, nid, times)
             return self.info(new)
@@ -767,6 +769,15 @@ class SandboxManager:
 
     async def thaw(self, sandbox_id: str) -> None:
         await asyncio.to_thread(cgroups.set_frozen, self.cgroup_parent, sandbox_id, False)
+
+
+def _persistable(rec: SandboxRecord) -> SandboxRecord:
+    """The record as written to disk (``persisted``: running is stored as idle); no copy
+    when they are the same (every state but running)."""
+    state = persisted(rec.info.state)
+    if state is rec.info.state:
+        return rec
+    return rec.model_copy(update={"info": rec.info.model_copy(update={"state": state})})
 
 
 def _release_kernel_resources(p: SandboxPaths, rt: OciRuntime, pid: int | None, isolation: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,35 +13,38 @@ class SandboxPaths:
     run: Path        # RUN/s: short host-only dir for agent sockets (108-byte sun_path limit)
     sandbox_id: str
 
-    @property
+    @functools.cached_property
     def bundle(self) -> Path:
         return self.base
 
-    @property
+    @functools.cached_property
     def scratch(self) -> Path:
         """tmpfs sized to the disk quota; holds the overlay upper and work dirs."""
         return self.base / "scratch"
 
-    @property
+    @functools.cached_property
     def rootfs(self) -> Path:
         return self.base / "rootfs"
 
-    @property
+    @functools.cached_property
     def upper(self) -> Path:
         return self.scratch / "upper"
 
-    @property
+    @functools.cached_property
     def config(self) -> Path:
         return self.base / "config.json"
 
-    @property
+    @functools.cached_property
     def log(self) -> Path:
         return self.base / "runtime.log"
 
-    @property
+    @functools.cached_property
     def socket(self) -> Path:
         return self.run / f"{self.sandbox_id}.sock"
 
 
+# Cached (ids are unique and paths derive from them alone): the hot paths (exec, claim,
+# recycle) ask for a sandbox's paths several times per call, and each join costs a few us.
+@functools.lru_cache(maxsize=4096)
 def sandbox_paths(home: Path, run_dir: Path, sandbox_id: str) -> SandboxPaths:
     return SandboxPaths(home / "sandboxes" / sandbox_id, run_dir / "s", sandbox_id)

@@ -36,13 +36,26 @@ class RecordStore:
             " body TEXT NOT NULL, updated REAL NOT NULL)")
         self._lock = threading.Lock()
 
+    _UPSERT = ("INSERT INTO sandboxes (id, state, body, updated) VALUES (?, ?, ?, ?)"
+               " ON CONFLICT(id) DO UPDATE SET state=excluded.state, body=excluded.body,"
+               " updated=excluded.updated")
+
     def put(self, rec: SandboxRecord) -> None:
         with self._lock:
-            self._db.execute(
-                "INSERT INTO sandboxes (id, state, body, updated) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT(id) DO UPDATE SET state=excluded.state, body=excluded.body,"
-                " updated=excluded.updated",
-                (rec.info.id, rec.info.state.value, rec.model_dump_json(), time.time()))
+            self._db.execute(self._UPSERT, (rec.info.id, rec.info.state.value, rec.model_dump_json(), time.time()))
+
+    def put_many(self, recs: list[SandboxRecord]) -> None:
+        """Several records in one transaction (one commit: a recycle writes two ids at once)."""
+        now = time.time()
+        rows = [(r.info.id, r.info.state.value, r.model_dump_json(), now) for r in recs]
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(self._UPSERT, rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
