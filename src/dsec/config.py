@@ -71,7 +71,8 @@ class Settings(BaseSettings):
     api_audit_max_chars: int = Field(4096, description="Longest string kept per audit field (argv, paths)")
     api_max_inflight_creates: int = Field(1024, description="Creates in flight before 429 Overloaded")
     api_scheduler: bool = Field(True, description="Creates go through the control-plane scheduler driver")
-    api_image_check_ttl_s: float = Field(1.0, description="A create's image was found this recently: skip the lookup")
+    api_image_check_ttl_s: float = Field(30.0, description="A create's image was found this recently: skip the "
+                                         "lookup (a thread hop; an image removed since is still refused by the node)")
     api_create_wait_s: float = Field(30.0, description="A create not placed within this is withdrawn: 429 + Retry-After")
     api_keepalive_s: float = Field(75.0, description="Server keep-alive idle timeout (> client_keepalive_s)")
     client_keepalive_s: float = Field(30.0, description="SDK closes idle pooled connections after this (< server's)")

@@ -55,8 +55,8 @@ class RequestMetrics:
             await self.app(scope, receive, _send)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.api_seconds.labels(method=scope["method"], route=route,
-                                            status=f"{status // 100}xx").observe(time.perf_counter() - t0)
+            self.metrics.child(self.metrics.api_seconds, scope["method"], route,
+                               f"{status // 100}xx").observe(time.perf_counter() - t0)
 
 
 class DSecApp(FastAPI):

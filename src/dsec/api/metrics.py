@@ -64,6 +64,17 @@ class Metrics:
         self.loop_lag = Histogram("dsec_event_loop_lag_seconds", "How late the API event loop runs a timer "
                                   "(blocking work on the loop shows here)", buckets=_API_BUCKETS, registry=r)
         self.inflight_creates = Gauge("dsec_inflight_creates", "Sandbox creates in flight", registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, memoised: ``labels()`` takes a lock and checks its
+        arguments on every call (~5-10 us, three per exec; issue 15). Label values are
+        bounded (module docstring), so this map is too."""
+        key = (id(metric), values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*values)
+        return got
 
     def set_states(self, counts: dict[str, int], all_states: list[str]) -> None:
         for state in all_states:

@@ -411,8 +411,8 @@ class SandboxService:
             # the owner from memory, and another server (or this one after a crash) falls
             # back to the node's tenant label, which the claim has already set.
             self._write_behind(asyncio.gather(*writes))
-        self.metrics.create_seconds.labels(isolation=info.isolation).observe(time.perf_counter() - t0)
-        self.metrics.creates.labels(result="ok").inc()
+        self.metrics.child(self.metrics.create_seconds, info.isolation).observe(time.perf_counter() - t0)
+        self.metrics.child(self.metrics.creates, "ok").inc()
         self.audit.record(info.id, tenant.name, "create", image=info.image, image_id=info.image_id,
                           cpu=info.cpu, memory=info.memory, isolation=info.isolation, labels=info.labels,
                           network=info.network, request_id=spec.request_id)
@@ -510,7 +510,7 @@ class SandboxService:
     def _audit_exec(self, tenant: TenantRecord, sandbox_id: str, req: ExecRequest, res: ExecResult,
                     mode: str) -> None:
         result = "timeout" if res.timed_out else ("ok" if res.exit_code == 0 else "nonzero")
-        self.metrics.execs.labels(result=result).inc()
+        self.metrics.child(self.metrics.execs, result).inc()
         self.audit.record(sandbox_id, tenant.name, "exec", argv=req.argv(), cwd=req.cwd, mode=mode,
                           exit_code=res.exit_code, duration=round(res.duration, 6), timed_out=res.timed_out,
                           pid=res.pid)
@@ -521,13 +521,13 @@ class SandboxService:
         try:
             res = await self.node.exec(sandbox_id, req)
         except DSecError as e:
-            self.metrics.execs.labels(result=e.code).inc()
+            self.metrics.child(self.metrics.execs, e.code).inc()
             self.audit.record(sandbox_id, tenant.name, "exec_error", argv=req.argv(), code=e.code)
             raise
         mode = "background" if req.background else "sync"
         if self.usage is not None:
             self.usage.count_exec(sandbox_id)
-        self.metrics.exec_seconds.labels(mode=mode).observe(time.perf_counter() - t0)
+        self.metrics.child(self.metrics.exec_seconds, mode).observe(time.perf_counter() - t0)
         self._audit_exec(tenant, sandbox_id, req, res, mode)
         return res
 

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 from urllib.parse import quote
 
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from dsec.models import (
     BackgroundProcess,
@@ -51,8 +51,15 @@ def create(spec: SandboxSpec) -> Call[SandboxInfo]:
     # Every create carries a request id, so a retried create never makes two sandboxes.
     if spec.request_id is None:
         spec = spec.model_copy(update={"request_id": "sdk-" + uuid.uuid4().hex})
-    return Call("POST", _SB, lambda r: SandboxInfo.model_validate_json(r.content),
-                json=spec.model_dump(mode="json", exclude_none=True), idempotent=True)
+    return Call("POST", _SB, lambda r: SandboxInfo.model_validate_json(r.content), **_json_body(spec),
+                idempotent=True)
+
+
+def _json_body(model: BaseModel) -> dict[str, Any]:
+    """A model as a JSON body, serialised by pydantic itself: a third of ``model_dump`` +
+    ``json.dumps`` (~10 of ~30 us on the SDK's share of an exec; issue 15)."""
+    return {"content": model.model_dump_json(exclude_none=True).encode(),
+            "headers": {"content-type": "application/json"}}
 
 
 def get(sandbox_id: str) -> Call[SandboxInfo]:
@@ -148,8 +155,7 @@ def exec_request(cmd: str | list[str], timeout: float | None = None, cwd: str | 
 def exec_(sandbox_id: str, req: ExecRequest, client_timeout: float) -> Call[ExecResult]:
     # The HTTP timeout must outlast the command's own timeout.
     return Call("POST", f"{_SB}/{_sid(sandbox_id)}/exec", lambda r: ExecResult.model_validate_json(r.content),
-                json=req.model_dump(mode="json", exclude_none=True),
-                timeout=(req.timeout or 0) + client_timeout)
+                **_json_body(req), timeout=(req.timeout or 0) + client_timeout)
 
 
 def exec_stream(sandbox_id: str, req: ExecRequest, client_timeout: float) -> Call[None]:
