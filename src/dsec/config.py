@@ -191,6 +191,7 @@ class Settings(BaseSettings):
     p2p_wait_s: float = Field(300.0, gt=0, description="Longest a node waits for peers/another node's registry fetch of a layer before fetching it from the registry itself")
     p2p_claim_stale_s: float = Field(15.0, gt=0, description="A node's registry-fetch claim on a layer with no progress for this long is taken over")
     p2p_announce_interval_s: float = Field(10.0, gt=0, description="How often a node re-publishes which blobs it holds (also after every pull)")
+    p2p_cut_through: bool = Field(True, description="A node serves a blob to peers while it is still receiving it (each receiver verifies the digest before use)")
     image_gc_cluster_interval_s: float = Field(600.0, gt=0, description="How often a cluster node runs the cluster-wide layer GC decision for its own layers")
     image_prefetch_enabled: bool = Field(True, description="The cluster's scheduler leader prefetches popular images (in image_registry) onto the nodes it will likely use next")
     image_prefetch_interval_s: float = Field(15.0, gt=0, description="How often the leader runs a prefetch pass")

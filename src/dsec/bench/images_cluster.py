@@ -13,17 +13,21 @@ Setup (as root; everything created here is removed at the end, processes by PID)
 Measured, in the same run (and cluster):
 
 1. **all from the registry**: every node pulls the image at once with peers off;
-2. **with peers**: the same with peer-to-peer on (one registry fetch per blob, a tree);
-   for each: wall time until every node holds every blob (verified), and the bytes the
-   registry sent (tx counter of its veth end, so HTTP/TCP overhead included);
-3. **cold node create -> first exec** through a node agent: the image on no node (pull
+2. **with peers**: the same with peer-to-peer on (one registry fetch per blob, a tree),
+   cut-through on (a node serves a blob while still receiving it);
+3. **with peers, store-and-forward**: the same with cut-through off (a node serves a
+   blob only once it holds all of it): what cut-through buys, in the same run;
+   for each: wall time until every node holds every blob (verified), the bytes the
+   registry sent (tx counter of its veth end, so HTTP/TCP overhead included), and each
+   node's per-blob timeline (source, start, seconds);
+4. **cold node create -> first exec** through a node agent: the image on no node (pull
    from the registry), then on a second node while the first holds it (pull from the
    peer); pull time reported apart (the node's own pull record), then unpack + create +
    exec;
-4. with ``--prefetch`` (3+ nodes): a third node gets the image by the prefetch path the
+5. with ``--prefetch`` (3+ nodes): a third node gets the image by the prefetch path the
    scheduler leader uses (``p2p_admin("prefetch")``: peers first, one blob at a time,
    registered and unpacked), timed apart; then create -> first exec there, which finds
-   the image present (the same measure as 3., with the prefetch done before the create).
+   the image present (the same measure as 4., with the prefetch done before the create).
 
 Between phases each node forgets the image (blobs, unpacked layers), so every phase
 starts cold.
@@ -132,17 +136,26 @@ def _admin(handles: dict[str, Any], op: str, args: dict[str, Any], timeout: floa
     return out
 
 
-def _phase(reg: ShapedRegistry, handles: dict[str, Any], ref: str, peers: bool) -> dict[str, Any]:
+def _phase(reg: ShapedRegistry, handles: dict[str, Any], ref: str, peers: bool,
+           cut_through: bool = True) -> dict[str, Any]:
     _admin(handles, "forget", {"ref": ref})
     os.sync()
     b0 = reg.tx_bytes()
+    start = time.time()
     t0 = time.perf_counter()
-    res = _admin(handles, "pull", {"ref": ref, "unpack": False, "peers": peers})
+    res = _admin(handles, "pull", {"ref": ref, "unpack": False, "peers": peers, "cut_through": cut_through})
     wall = time.perf_counter() - t0
     sent = reg.tx_bytes() - b0
     per = {nid: {"seconds": round(r["seconds"], 3), "sources": (r["status"] or {}).get("sources", {})}
            for nid, r in res.items()}
-    return {"wall_s": round(wall, 3), "registry_tx_bytes": sent, "nodes": per}
+    out = {"wall_s": round(wall, 3), "registry_tx_bytes": sent, "load_avg_1m": round(os.getloadavg()[0], 2),
+           "nodes": per}
+    if peers:  # per node, per blob: where from, when it started (s after the phase began), how long
+        for nid, st in _admin(handles, "stats", {}).items():
+            per[nid]["timeline"] = [{"blob": x["digest"][:19], "source": x["source"],
+                                     "start_s": round(x["start"] - start, 3), "seconds": x["seconds"]}
+                                    for x in st["timeline"] if x["start"] >= start - 0.5]
+    return out
 
 
 def _cold_create(handles: dict[str, Any], address: str, ref: str, prefetch: bool = False) -> dict[str, Any]:
@@ -233,9 +246,11 @@ def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit",
         handles = {n.node_id: get_agent(n.node_id) for n in c.nodes}
         image_bytes = info.size + src.content.size(info.id)
         rounds_out = []
+        phases = {"registry_only": (False, True), "with_peers": (True, True),
+                  "with_peers_store_forward": (True, False)}
         for r in range(rounds):
-            order = [False, True] if r % 2 == 0 else [True, False]
-            one = {("with_peers" if p else "registry_only"): _phase(reg, handles, ref, p) for p in order}
+            order = list(phases) if r % 2 == 0 else list(reversed(phases))
+            one = {k: _phase(reg, handles, ref, *phases[k]) for k in order}
             rounds_out.append(one)
             print(json.dumps({k: {"wall_s": v["wall_s"], "registry_tx_bytes": v["registry_tx_bytes"]}
                               for k, v in one.items()}), file=sys.stderr)
@@ -256,6 +271,8 @@ def run(report_dir: Path | str = "reports", nodes: int = 5, rate: str = "1gbit",
             "registry_bytes_ratio_registry_only": round(med("registry_only", "registry_tx_bytes") / image_bytes, 3),
             "wall_ratio_peers_vs_registry_only": round(med("with_peers", "wall_s") / med("registry_only", "wall_s"),
                                                        3),
+            "wall_ratio_store_forward_vs_registry_only": round(
+                med("with_peers_store_forward", "wall_s") / med("registry_only", "wall_s"), 3),
             "cold_create": cold,
             "blob_endpoints": {n: v["server"] for n, v in stats.items()},
             "load_avg_1m": os.getloadavg()[0],

@@ -65,7 +65,8 @@ def images_pull(rounds: int = typer.Option(3, help="alternated rounds (best and 
 @app.command("images-cluster")
 def images_cluster(nodes: int = typer.Option(5, help="DSec nodes of the local Ray cluster"),
                    rate: str = typer.Option("1gbit", help="tc tbf rate of the registry's link"),
-                   rounds: int = typer.Option(1, help="rounds of (registry only, with peers), order alternated"),
+                   rounds: int = typer.Option(1, help="rounds of (registry only, peers cut-through, peers "
+                                                "store-and-forward), order alternated"),
                    image: str = typer.Option("python", help="stock image pushed and pulled"),
                    node_tmpfs: str = typer.Option("", help="put the nodes' homes on a tmpfs of this size (e.g. 4g): "
                                                   "on one box the nodes otherwise share one disk"),

@@ -24,6 +24,16 @@ Pieces:
      without progress for ``p2p_claim_stale_s`` is taken over; after ``p2p_wait_s`` in
      all, go to the registry regardless.
 
+  Cut-through (``p2p_cut_through``): a node that is still receiving a blob (from the
+  registry or a peer) is a *partial holder* (``p2p:part:``) and serves it as it arrives
+  (``blobserve``). Fetchers ask complete holders first, then partial ones, so waiting
+  nodes start receiving while the registry fetch is still running, and each of them
+  serves on in turn: a pipelined tree, whose wall time is about one registry fetch. A
+  receiver still hashes everything it got and commits only on a digest match; a partial
+  stream that ends short (its source's own receive failed or stalled) makes the receiver
+  pass over that node as a *partial* source only (it may serve the whole blob later); one
+  whose bytes do not hash to the digest is skipped like any corrupt peer.
+
   Fan-out: N nodes wanting one blob at once make one registry fetch; the rest come
   from peers, each holder serving at most ``p2p_serve_max`` at once, and every node
   that finishes becomes a holder: a tree (degree ``p2p_serve_max``), not all from one.
@@ -59,6 +69,7 @@ _HAS = "p2p:has:"      # p2p:has:<digest>:<node> -> "1"
 _CLAIM = "p2p:claim:"  # p2p:claim:<digest> -> {"node": .., "t": ..}
 _TOKEN = "p2p:token"
 _ASKED = "p2p:asked:"  # p2p:asked:<digest> -> last time any node wanted it (cluster GC input)
+_PART = "p2p:part:"    # p2p:part:<digest>:<node> -> "1" while that node receives it (cut-through source)
 _SERVED = "p2p:served:"  # p2p:served:<digest>:<node> -> "<bodies of it that node began to serve> <when last>"
 
 
@@ -73,13 +84,19 @@ def saturated(served: dict[str, tuple[int, float]], holder: str, degree: int, no
 
 
 def order_peers(holders: list[str], me: str, skip: set[str], served: dict[str, tuple[int, float]],
-                rng: random.Random) -> list[str]:
+                rng: random.Random, partial: list[str] | tuple[str, ...] = (),
+                skip_partial: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Peers to ask for a blob, in order: every holder but this node and those that failed
-    this fetch, the ones that served this blob least first (new holders take over from
-    the first one: a tree, not a star), ties shuffled (pure but for rng)."""
-    out = sorted(h for h in set(holders) if h != me and h not in skip)
+    this fetch, plus the nodes still receiving it (``partial``: cut-through sources, but
+    not those whose stream was cut in this fetch), the ones that served this blob least
+    first (new holders take over from the first one: a tree, not a star), a complete
+    holder before a partial one at the same count, ties shuffled (pure but for rng)."""
+    full = {h for h in holders if h != me and h not in skip}
+    part = {h for h in partial if h != me and h not in skip and h not in skip_partial} - full
+    out = sorted(full | part)
     rng.shuffle(out)
-    return sorted(out, key=lambda h: served.get(h, (0, 0.0))[0])  # stable: the shuffle breaks ties
+    # stable: the shuffle breaks ties
+    return sorted(out, key=lambda h: (served.get(h, (0, 0.0))[0], h in part))
 
 
 def claim_stale(claim: dict[str, Any] | None, now: float, stale_s: float) -> bool:
@@ -96,6 +113,9 @@ class PeerDirectory(Protocol):
     def announce(self, node: str, digests: set[str] | list[str]) -> None: ...
     def retract(self, node: str, digests: set[str] | list[str]) -> None: ...
     def holders(self, digest: str) -> list[str]: ...
+    def announce_partial(self, node: str, digest: str) -> None: ...
+    def retract_partial(self, node: str, digest: str) -> None: ...
+    def partial_holders(self, digest: str) -> list[str]: ...
     def claim(self, digest: str, node: str, now: float, stale_s: float) -> bool: ...
     def refresh_claim(self, digest: str, node: str, now: float) -> None: ...
     def release_claim(self, digest: str, node: str) -> None: ...
@@ -146,6 +166,16 @@ class KVDirectory:
 
     def holders(self, digest: str) -> list[str]:
         pre = f"{_HAS}{digest}:"
+        return [k[len(pre):] for k in self.kv.keys(pre)]
+
+    def announce_partial(self, node: str, digest: str) -> None:
+        self.kv.put(f"{_PART}{digest}:{node}", "1", True)
+
+    def retract_partial(self, node: str, digest: str) -> None:
+        self.kv.delete(f"{_PART}{digest}:{node}")
+
+    def partial_holders(self, digest: str) -> list[str]:
+        pre = f"{_PART}{digest}:"
         return [k[len(pre):] for k in self.kv.keys(pre)]
 
     def all_holdings(self) -> dict[str, set[str]]:
@@ -273,6 +303,11 @@ class PeerBusy(Exception):
     """The peer serves as many as it may (503): ask again later."""
 
 
+class PeerCut(PeerFailed):
+    """A cut-through stream ended short (its source's own receive failed or stalled): do
+    not ask that node again as a partial source in this fetch; as a complete holder, yes."""
+
+
 class PeerFetcher:
     """``registry_ops.BlobSources`` for one node (see module docstring)."""
 
@@ -287,21 +322,38 @@ class PeerFetcher:
         self.from_peers: dict[str, int] = {}   # peer -> bytes we got from it (bench/tests)
         self.skipped: dict[str, str] = {}      # peer -> why it was skipped last (tests)
         self.registry_fetches = 0
+        self.cut_through = 0  # blobs received from a node still receiving them (bench/tests)
+        self.use_partial = settings.p2p_cut_through  # ask nodes still receiving a blob (admin may switch it)
+        self.timeline: list[dict[str, Any]] = []  # the last blobs fetched: source, start, seconds
 
     def close(self) -> None:
         self._http.close()
 
     def fetch(self, store: Any, digest: str, size: int, what: str, progress: Callable[[str, int, int], None] | None,
               from_registry: Callable[[], None]) -> str:
+        t0 = time.time()
+        source = self._fetch(store, digest, size, what, progress, from_registry)
+        # Where each blob came from and when (``stats``: the bench's per-node timeline).
+        self.timeline.append({"digest": digest, "source": source, "start": round(t0, 3),
+                              "seconds": round(time.time() - t0, 3), "bytes": size})
+        del self.timeline[:-64]
+        log.info("%s: from %s in %.2fs", what, source, time.time() - t0)
+        return source
+
+    def _fetch(self, store: Any, digest: str, size: int, what: str, progress: Callable[[str, int, int], None] | None,
+               from_registry: Callable[[], None]) -> str:
         deadline = time.monotonic() + self.s.p2p_wait_s
         skip: set[str] = set()
+        cut: set[str] = set()  # partial sources whose stream ended short (PeerCut)
         first = 0.0  # when every holder was first seen saturated
         now = time.time()
         self.dir.asked(digest, now)
         while True:
             holders = self.dir.holders(digest)
-            served = self.dir.served(digest) if holders else {}
-            peers = order_peers(holders, self.node, skip, served, self.rng)
+            partial = ([h for h in self.dir.partial_holders(digest) if h not in holders]
+                       if self.use_partial else [])
+            served = self.dir.served(digest) if holders or partial else {}
+            peers = order_peers(holders, self.node, skip, served, self.rng, partial, cut)
             t = time.time()
             if peers and all(saturated(served, h, self.s.p2p_serve_max, t, self.s.p2p_tree_wait_s) for h in peers):
                 # Every holder already feeds p2p_serve_max peers of this burst: wait for
@@ -322,6 +374,10 @@ class PeerFetcher:
                         self._from_peer(store, peer, url, digest, size, what, progress)
                     except PeerBusy:
                         busy = True
+                        continue
+                    except PeerCut as e:
+                        log.info("%s: cut-through stream from %s ended short: %s", what, peer, e)
+                        cut.add(peer)
                         continue
                     except PeerFailed as e:
                         log.warning("%s: peer %s skipped: %s", what, peer, e)
@@ -370,37 +426,43 @@ class PeerFetcher:
 
     def _from_peer(self, store: Any, peer: str, url: str, digest: str, size: int, what: str,
                    progress: Callable[[str, int, int], None] | None) -> None:
-        """One attempt from one peer; the blob is committed only when its digest matches."""
+        """One attempt from one peer; the blob is committed only when its digest matches.
+        While it arrives this node is a partial holder of it (``writer(expect=...)``)."""
         from dsec.images.registry import _widen_reads
         from dsec.images.registry_ops import node_slots
 
-        headers = {"Authorization": f"Bearer {self.dir.token()}"}
+        headers = {"Authorization": f"Bearer {self.dir.token()}", "X-DSec-Node": self.node}
         got = 0
+        partial = False
         with node_slots(self.s.node_max_concurrent_pulls):
             try:
-                with self._http.stream("GET", f"{url}/v1/blobs/{digest}", headers=headers) as r, \
-                        store.content.writer() as w:
+                with self._http.stream("GET", f"{url}/v1/blobs/{digest}", headers=headers) as r:
                     if r.status_code == 503:
                         raise PeerBusy()
                     if r.status_code != 200:
                         raise PeerFailed(f"answered {r.status_code}")
+                    partial = r.headers.get("x-dsec-partial") == "1"
                     _widen_reads(r)  # 1 MiB per recv, as for registry blobs (fewer GIL round trips)
-                    for chunk in r.iter_raw():
-                        got += len(chunk)
-                        if got > size:
-                            raise PeerFailed(f"sent more than the {size} bytes the manifest names")
-                        w.write(chunk)
-                        if progress:
-                            progress(f"{digest[7:19]} (peer {peer})", len(chunk), size)
-                    if got != size:
-                        raise PeerFailed(f"sent {got} of {size} bytes")
-                    try:
-                        w.commit(digest, f"{what} from peer {peer}")  # hash checked, fsync, rename
-                    except DigestMismatch as e:
-                        raise PeerFailed(f"its bytes do not hash to {digest}: {e.message}") from None
+                    with store.content.writer(expect=(digest, size)) as w:
+                        for chunk in r.iter_raw():
+                            got += len(chunk)
+                            if got > size:
+                                raise PeerFailed(f"sent more than the {size} bytes the manifest names")
+                            w.write(chunk)
+                            if progress:
+                                progress(f"{digest[7:19]} (peer {peer})", len(chunk), size)
+                        if got != size:
+                            raise (PeerCut if partial else PeerFailed)(f"sent {got} of {size} bytes")
+                        try:
+                            w.commit(digest, f"{what} from peer {peer}")  # hash checked, fsync, rename
+                        except DigestMismatch as e:
+                            raise PeerFailed(f"its bytes do not hash to {digest}: {e.message}") from None
             except (httpx.TransportError, httpx.StreamError) as e:
-                raise PeerFailed(f"connection failed after {got} of {size} bytes ({type(e).__name__}: {e})") from e
+                raise (PeerCut if partial else PeerFailed)(
+                    f"connection failed after {got} of {size} bytes ({type(e).__name__}: {e})") from e
         self.from_peers[peer] = self.from_peers.get(peer, 0) + size
+        if partial:
+            self.cut_through += 1
 
 
 # --- the node side ----------------------------------------------------------------------------
@@ -415,7 +477,11 @@ class NodePeers:
 
         self.node, self.store, self.dir, self.s = node, store, directory, settings
         self.server = BlobServer(store, host, settings.p2p_port, directory.token(), settings.p2p_serve_max,
-                                 on_serve=lambda d, n: directory.note_served(d, node, n, time.time()))
+                                 on_serve=lambda d, n: directory.note_served(d, node, n, time.time()),
+                                 cut_through=settings.p2p_cut_through, stall_s=settings.registry_timeout_s,
+                                 admit=self._admit)
+        self._burst: dict[str, tuple[int, float]] = {}  # digest -> (bodies begun in this burst, its start)
+        self._burst_lock = threading.Lock()
         self.fetcher = PeerFetcher(node, directory, settings)
         self._announced: set[str] = set()
         self._prefetch_lock = threading.Lock()  # one prefetch at a time on this node
@@ -428,9 +494,39 @@ class NodePeers:
         self.dir.publish_endpoint(self.node, self.server.url)
         self.sync()
         self.store.blob_sources = self.fetcher
+        if self.s.p2p_cut_through:
+            self.store.content.on_receiving = self._receiving
         self._thread.start()
         log.info("node %s serves its blobs to peers at %s", self.node, self.server.url)
         return self
+
+    def _admit(self, digest: str, requester: str) -> bool:
+        """The tree's degree, enforced at the holder: within a burst (``p2p_tree_wait_s``)
+        it begins at most ``p2p_serve_max`` bodies of one blob while another node (complete
+        or still receiving it) can serve the requester. The fetchers' own choice (least
+        served first) races when they all discover the first holder at once, as they do
+        with cut-through; this count does not. With nobody else to ask it serves anyway."""
+        now = time.monotonic()
+        with self._burst_lock:
+            n, start = self._burst.get(digest, (0, now))
+            if now - start > self.s.p2p_tree_wait_s:
+                n, start = 0, now
+            if n >= self.s.p2p_serve_max:
+                others = set(self.dir.holders(digest)) | set(self.dir.partial_holders(digest))
+                if others - {self.node, requester}:
+                    return False
+            self._burst[digest] = (n + 1, start)
+            if len(self._burst) > 4096:  # old bursts
+                for d in [d for d, (_, t) in self._burst.items() if now - t > self.s.p2p_tree_wait_s]:
+                    del self._burst[d]
+            return True
+
+    def _receiving(self, digest: str, started: bool) -> None:
+        """``ContentStore.on_receiving``: tell peers this node can serve ``digest`` cut-through."""
+        if started:
+            self.dir.announce_partial(self.node, digest)
+        else:
+            self.dir.retract_partial(self.node, digest)
 
     def sync(self) -> None:
         """Publish the blobs this node holds now; retract the ones it no longer holds."""
@@ -449,8 +545,9 @@ class NodePeers:
     def admin(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Operator / benchmark operations on this node's images (not part of NodeAgent):
 
-        - ``pull``: ``{"ref", "unpack": bool, "peers": bool}`` pull a ref from
-          ``image_registry`` with or without peers; returns the pull's status;
+        - ``pull``: ``{"ref", "unpack": bool, "peers": bool, "cut_through": bool}`` pull a
+          ref from ``image_registry`` with or without peers (and, for this pull, with or
+          without cut-through: the bench compares both in one run); returns its status;
         - ``forget``: ``{"ref"}`` drop the image and every blob / unpacked layer of it that
           nothing else references or leases (a cold node again for that image);
         - ``prefetch``: ``{"ref", "order": [layer digests]}`` the scheduler leader's prefetch
@@ -466,8 +563,13 @@ class NodePeers:
             if source is None:
                 raise ValueError(f"{args['ref']!r} does not resolve in image_registry {s.image_registry!r}")
             t0 = time.monotonic()
-            pull(self.store, source, name=args["ref"], unpack=bool(args.get("unpack")), insecure=s.registry_insecure,
-                 sources=self.fetcher if args.get("peers", True) else None)
+            cut = bool(args.get("cut_through", s.p2p_cut_through))
+            self.fetcher.use_partial = self.server.cut_through = cut
+            try:
+                pull(self.store, source, name=args["ref"], unpack=bool(args.get("unpack")),
+                     insecure=s.registry_insecure, sources=self.fetcher if args.get("peers", True) else None)
+            finally:
+                self.fetcher.use_partial = self.server.cut_through = s.p2p_cut_through
             done = [p for p in PULLS.snapshot() if p.ref == source and p.state != "pulling"]
             return {"seconds": time.monotonic() - t0, "status": done[-1].model_dump() if done else None}
         if op == "forget":
@@ -503,7 +605,9 @@ class NodePeers:
                 self._prefetch_lock.release()
         if op == "stats":
             return {"server": self.server.stats(), "from_peers": dict(self.fetcher.from_peers),
-                    "registry_fetches": self.fetcher.registry_fetches, "url": self.server.url}
+                    "registry_fetches": self.fetcher.registry_fetches, "cut_through": self.fetcher.cut_through,
+                    "timeline": list(self.fetcher.timeline),
+                    "url": self.server.url}
         raise ValueError(f"unknown p2p admin op {op!r} (pull, forget, prefetch, stats)")
 
     def close(self) -> None:
@@ -512,6 +616,8 @@ class NodePeers:
             self.gc.close()
         if self.store.blob_sources is self.fetcher:
             self.store.blob_sources = None
+        if self.store.content.on_receiving == self._receiving:
+            self.store.content.on_receiving = None
         self.server.close()
         self.fetcher.close()
 

@@ -9,30 +9,82 @@ process trusts its own verification.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from dsec.errors import DigestMismatch, NotFound
 from dsec.images.fsutil import CHUNK, HashingWriter, check_digest, file_digest, fsync_dir
 
+log = logging.getLogger("dsec.images")
+
+
+class Inflight:
+    """A blob this node is receiving now (its bytes NOT verified yet): what the peer blob
+    endpoint may serve cut-through, following ``written`` as bytes arrive. It vouches for
+    nothing: every receiver hashes what it got and commits only on a digest match; a
+    receive that fails here (``state`` ``failed``) ends the streams that follow it short,
+    so their receivers fall back to another source."""
+
+    def __init__(self, digest: str, size: int, path: Path) -> None:
+        self.digest, self.size, self.path = digest, size, path
+        self.written = 0
+        self.state: Literal["receiving", "done", "failed"] = "receiving"
+        self._cond = threading.Condition()
+
+    def advance(self, n: int) -> None:
+        with self._cond:
+            self.written += n
+            self._cond.notify_all()
+
+    def end(self, ok: bool) -> None:
+        with self._cond:
+            if self.state == "receiving":
+                self.state = "done" if ok else "failed"
+            self._cond.notify_all()
+
+    def wait(self, offset: int, timeout: float, batch: int = 1, batch_wait_s: float = 0.01) -> tuple[int, str]:
+        """Block until more than ``offset`` bytes are written or the receive ended (or
+        ``timeout``); then, for up to ``batch_wait_s``, until ``batch`` bytes past
+        ``offset`` are there (fewer, larger reads). Returns (bytes written, state)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.written > offset or self.state != "receiving", timeout):
+                return self.written, self.state
+            self._cond.wait_for(lambda: self.written - offset >= batch or self.state != "receiving", batch_wait_s)
+            return self.written, self.state
+
 
 class BlobWriter:
-    """A blob being written; ``commit()`` hashes, fsyncs and renames it into place."""
+    """A blob being written; ``commit()`` hashes, fsyncs and renames it into place.
+    With ``expect`` (digest, size) the partial file is published as ``Inflight`` while it
+    is written (cut-through serving to peers); nothing about the commit changes."""
 
-    def __init__(self, store: ContentStore) -> None:
+    def __init__(self, store: ContentStore, expect: tuple[str, int] | None = None) -> None:
         self._store = store
         fd, tmp = tempfile.mkstemp(dir=store.ingest_dir, prefix=f"w{os.getpid()}-")
         self.tmp = Path(tmp)
         self._fh = os.fdopen(fd, "wb")
         self._hw = HashingWriter(self._fh)
+        self.inflight: Inflight | None = None
+        if expect is not None:
+            self.inflight = store._receiving(Inflight(expect[0], expect[1], self.tmp))
 
     def write(self, data: bytes) -> int:
-        return self._hw.write(data)
+        n = self._hw.write(data)
+        if self.inflight is not None:
+            self._fh.flush()  # readers of the partial file use their own fd: bytes must reach the kernel first
+            self.inflight.advance(n)
+        return n
+
+    def _end(self, ok: bool) -> None:
+        if self.inflight is not None:
+            self._store._received(self.inflight, ok)
+            self.inflight = None
 
     def flush(self) -> None:
         self._fh.flush()
@@ -55,10 +107,12 @@ class BlobWriter:
         digest = self._hw.digest
         if expected is not None and digest != expected:
             self.tmp.unlink(missing_ok=True)
+            self._end(False)
             raise DigestMismatch(
                 f"{what}: content hashes to {digest} but {expected} was expected; the archive is "
                 "corrupt or was modified — re-export it from the source", expected=expected, actual=digest)
         self._store._place(self.tmp, digest)
+        self._end(True)  # after the rename: a reader that opens the path now finds the blob in the store
         return digest, self._hw.count
 
     def verified_unsynced(self, expected: str, what: str = "blob") -> Path:
@@ -70,9 +124,11 @@ class BlobWriter:
         self._fh.close()
         if self._hw.digest != expected:
             self.tmp.unlink(missing_ok=True)
+            self._end(False)
             raise DigestMismatch(f"{what}: content hashes to {self._hw.digest} but {expected} was expected",
                                  expected=expected, actual=self._hw.digest)
         self._handed_off = True
+        self._end(True)
         return self.tmp
 
     def abort(self) -> None:
@@ -80,6 +136,7 @@ class BlobWriter:
             self._fh.close()
         if not getattr(self, "_handed_off", False):
             self.tmp.unlink(missing_ok=True)
+        self._end(False)  # no-op after a commit
 
 
 class ContentStore:
@@ -91,6 +148,33 @@ class ContentStore:
         self.ingest_dir.mkdir(parents=True, exist_ok=True)
         self._verified: set[str] = set()
         self._vlock = threading.Lock()
+        # Blobs being received now (digest -> Inflight), for cut-through serving; and the
+        # hook a cluster node sets to tell peers (``on_receiving(digest, True/False)``).
+        self.inflight: dict[str, Inflight] = {}
+        self.on_receiving: Callable[[str, bool], None] | None = None
+
+    def _receiving(self, inf: Inflight) -> Inflight:
+        with self._vlock:
+            self.inflight.setdefault(inf.digest, inf)  # one writer per digest (the blob lock); keep the first
+        if self.on_receiving is not None and self.inflight.get(inf.digest) is inf:
+            try:
+                self.on_receiving(inf.digest, True)
+            except Exception:
+                log.debug("announcing a blob being received failed", exc_info=True)
+        return inf
+
+    def _received(self, inf: Inflight, ok: bool) -> None:
+        mine = False
+        with self._vlock:
+            if self.inflight.get(inf.digest) is inf:
+                del self.inflight[inf.digest]
+                mine = True
+        inf.end(ok)
+        if mine and self.on_receiving is not None:
+            try:
+                self.on_receiving(inf.digest, False)
+            except Exception:
+                log.debug("retracting a blob being received failed", exc_info=True)
 
     def path(self, digest: str) -> Path:
         check_digest(digest, "blob")
@@ -134,8 +218,10 @@ class ContentStore:
             self._verified.update(d for _, d in items)
 
     @contextmanager
-    def writer(self) -> Iterator[BlobWriter]:
-        w = BlobWriter(self)
+    def writer(self, expect: tuple[str, int] | None = None) -> Iterator[BlobWriter]:
+        """A ``BlobWriter``; ``expect=(digest, size)``: the blob's partial file may be served
+        to peers while it is written (``Inflight``)."""
+        w = BlobWriter(self, expect)
         try:
             yield w
         finally:

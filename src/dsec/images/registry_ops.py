@@ -208,7 +208,8 @@ def _fetch_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: s
 def _registry_blob(store: ImageStore, rc: RegistryClient, ref: Reference, digest: str, size: int, what: str,
                    progress: Progress | None, deferred: list[tuple[Path, str]] | None = None) -> None:
     """Stream one blob from the registry into ``ingest/``, check size and digest, commit."""
-    with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer() as w:
+    # expect: peers may be served this blob while it arrives (cut-through, dsec.cluster.p2p)
+    with rc.blob_stream(ref.repository, digest, what) as r, store.content.writer(expect=(digest, size)) as w:
         got = 0
         # Raw bytes as received (we asked for identity encoding): no re-chunking copies.
         raw = r.headers.get("content-encoding", "identity") in ("", "identity")

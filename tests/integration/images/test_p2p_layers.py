@@ -223,3 +223,75 @@ def test_prefetch_waits_for_a_create_pull_then_fetches_from_peers(tmp_path: Path
     assert target.store.layers.present(info.layers[0].diff_id)  # unpacked: a create has nothing to do
     assert target.admin("prefetch", {"ref": pushed})["skipped"].startswith("already here")
     _no_partial(target.store)
+
+
+def _wait(cond: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_cut_through_a_receiver_reads_a_blob_while_its_holder_still_receives_it(
+        tmp_path: Path, store: ImageStore, directory: KVDirectory, registry: Registry,
+        nodes: list[NodePeers]) -> None:
+    """Cut-through: a node still receiving a layer (half of it written) is a partial holder;
+    another node streams the layer from it at once, has the first half before the holder
+    has the rest, and commits the verified layer when the holder finishes, without ever
+    asking the registry. Protects: the fan-out's wall time is about one registry fetch, not
+    one fetch per tree level."""
+    layer = store.resolve("busybox").layers[0]
+    data = store.content.path(layer.digest).read_bytes()
+    half = len(data) // 2
+    holder = _node(tmp_path, "h", registry, directory)
+    receiver = _node(tmp_path, "r", registry, directory)
+    nodes += [holder, receiver]
+    got = [0]
+
+    def progress(_label: str, n: int, _total: int) -> None:
+        got[0] += n
+
+    def no_registry() -> None:
+        raise AssertionError("the receiver went to the registry")
+
+    with holder.store.content.writer(expect=(layer.digest, layer.size)) as w:
+        w.write(data[:half])
+        assert directory.partial_holders(layer.digest) == ["h"]
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(receiver.fetcher.fetch, receiver.store, layer.digest, layer.size, "layer 0",
+                              progress, no_registry)
+            _wait(lambda: got[0] >= half or fut.done(), "the first half at the receiver")
+            assert got[0] == half and not fut.done()  # it has what exists so far, and waits for the rest
+            assert not holder.store.content.has(layer.digest)
+            w.write(data[half:])
+            w.commit(layer.digest)
+            assert fut.result(timeout=30) == "peer:h"
+    assert receiver.fetcher.cut_through == 1 and holder.server.stats()["served_partial"] == 1
+    receiver.store.content.verify(layer.digest)
+    assert directory.partial_holders(layer.digest) == []  # retracted when done
+    _no_partial(receiver.store)
+
+
+def test_cut_through_a_corrupt_byte_is_caught_at_the_receiver_which_falls_back(
+        tmp_path: Path, store: ImageStore, registry: Registry, pushed: str, directory: KVDirectory,
+        nodes: list[NodePeers]) -> None:
+    """A partial holder whose incoming bytes carry one flipped byte streams them on before
+    it could know: the receiver hashes what it got, refuses it (nothing renamed into its
+    store, no partial file left), skips that node and takes the layer from the registry;
+    a sandbox never sees the bad bytes."""
+    layer = store.resolve("busybox").layers[0]
+    bad = bytearray(store.content.path(layer.digest).read_bytes())
+    bad[len(bad) // 3] ^= 0x01
+    holder = _node(tmp_path, "h", registry, directory)
+    receiver = _node(tmp_path, "r", registry, directory)
+    nodes += [holder, receiver]
+    with holder.store.content.writer(expect=(layer.digest, layer.size)) as w:
+        w.write(bytes(bad))  # every byte there; the holder has not hashed/committed yet
+        info = resolve_or_pull(receiver.store, pushed)
+        assert holder.server.stats()["served_partial"] == 1
+    assert "do not hash" in receiver.fetcher.skipped.get("h", ""), receiver.fetcher.skipped
+    assert receiver.fetcher.registry_fetches == 2  # config + the layer, after the bad stream
+    assert info.layers[0].digest == layer.digest
+    receiver.store.content.verify(layer.digest)
+    _no_partial(receiver.store)
+    _no_partial(holder.store)

@@ -93,3 +93,37 @@ def test_pull_tracker_reports_progress_then_sources() -> None:
     k2 = t.start("reg:5000/b:1", total=1, blobs=1)
     t.finish(k2, "boom")
     assert t.snapshot()[-1].state == "failed" and t.snapshot()[-1].error == "boom"
+
+
+def test_a_blob_being_received_is_published_until_committed_or_failed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Cut-through sources: a writer told its digest publishes the partial blob (readers
+    follow ``written``) and retracts it on commit; a failed commit ends it ``failed`` so
+    the streams that follow it are cut short, and nothing is left in the store."""
+    import hashlib
+
+    from dsec.errors import DigestMismatch
+    from dsec.images.content import ContentStore
+
+    cs = ContentStore(tmp_path / "blobs")
+    seen: list[tuple[str, bool]] = []
+    cs.on_receiving = lambda d, on: seen.append((d, on))
+    data = b"x" * 1000
+    d = "sha256:" + hashlib.sha256(data).hexdigest()
+    with cs.writer(expect=(d, len(data))) as w:
+        w.write(data[:400])
+        inf = cs.inflight[d]
+        assert inf.wait(0, 1.0, batch=1) == (400, "receiving")
+        assert inf.path.read_bytes() == data[:400]  # on disk for another fd to read
+        w.write(data[400:])
+        w.commit(d)
+    assert inf.state == "done" and d not in cs.inflight and cs.has(d)
+    assert seen == [(d, True), (d, False)]
+    with cs.writer(expect=(D, 3)) as w:
+        w.write(b"abc")
+        inf = cs.inflight[D]
+        try:
+            w.commit(D)
+        except DigestMismatch:
+            pass
+    assert inf.state == "failed" and D not in cs.inflight and not cs.has(D)
+    assert list((tmp_path / "blobs" / "ingest").iterdir()) == []
