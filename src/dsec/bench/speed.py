@@ -455,6 +455,8 @@ def run(only: tuple[str, ...] = ROWS, rounds: int = 20, samples: int = 300, gvis
                 for sid in list(alt.manager.live):
                     await alt.destroy(sid)
                 alt.manager.close()
+                from dsec.node import cgroups  # the baseline's own (now empty) parent cgroups
+                cgroups.kill_and_remove("", alt.settings.cgroup_parent)
                 shutil.rmtree(alt.settings.runtime_dir, ignore_errors=True)
                 shutil.rmtree(work, ignore_errors=True)
                 await agent.close()
