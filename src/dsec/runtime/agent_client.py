@@ -192,6 +192,9 @@ def agent_forget(sock_path: Path) -> None:
             conn.close()
 
 
+_STDIN_FINISH_S = 2.0  # the agent waits this long (LINGER_MS) for each stdin frame it drains
+
+
 async def _feed_stdin(conn: _Conn, data: bytes) -> bool:
     """True once every stdin frame was written. A command that exits without reading
     stdin closes the pipe; the exit frame decides the result."""
@@ -241,8 +244,15 @@ async def agent_exec_stream(sock_path: Path, argv: list[str], *, env: dict[str, 
                 pid = p.decode_pid(payload)
             elif kind == b"X":
                 code, timed_out = p.decode_exit(payload)
+                reusable = keep and p.exit_reusable(payload)
+                if reusable and feeder is not None and not feeder.done():
+                    # a command that exited without reading all its stdin: the agent drains
+                    # the rest before it reads the next request, so finish sending it
+                    # (bounded) instead of dropping a clean connection
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(feeder), _STDIN_FINISH_S)
                 # back to the pool before the last yield: a consumer may stop right there
-                if keep and p.exit_reusable(payload) and (feeder is None or _fed(feeder)):
+                if reusable and (feeder is None or _fed(feeder)):
                     pooled = _checkin(sock_path, conn)
                 yield ExecOutcome(code, b"", b"", timed_out, False, time.monotonic() - start, pid)
                 return

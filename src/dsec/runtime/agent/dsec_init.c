@@ -11,9 +11,10 @@
  *                                to processes it did not start itself).
  *                                --seccomp: install the sandbox's seccomp profile on itself
  *                                first (container tier; seccomp_profile.h).
- *   dsec-init relay NAME         connect to @NAME and copy stdin -> socket -> stdout (the
- *                                gVisor tier's way in: `runsc exec` of this); stdin EOF
- *                                closes the connection, which cancels a running exec.
+ *   dsec-init relay NAME         the gVisor tier's way in (`runsc exec` of this): serves an
+ *                                exec connection itself on its stdio once PID 1 (@NAME)
+ *                                accepted its token, else copies stdin -> @NAME -> stdout;
+ *                                stdin EOF cancels a running exec.
  *   dsec-init run [--timeout-ms N] [--cwd DIR] -- argv...
  *                                one command, stdio passed through, tree-kill on timeout
  *                                (exit 124) or on SIGTERM/SIGINT/SIGHUP (exit 128+sig).
@@ -46,6 +47,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -114,12 +116,23 @@ static uint32_t get_u32(const unsigned char *p)
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
 }
 
-/* Blocking-ish full write to a socket: retries EINTR/partial writes, waits on EAGAIN. */
+/*
+ * A handler's connection is one socket, except in a relay serving execs itself on gVisor:
+ * there it reads its stdin and writes its stdout (runsc imports them as host files that
+ * refuse sendto). Frames for the connection go to out_fd(conn).
+ */
+static int hconn_in = -1, hconn_out = -1;
+static int out_fd(int conn) { return conn == hconn_in && hconn_out >= 0 ? hconn_out : conn; }
+
+/* Blocking-ish full write of a frame to the host: retries EINTR/partial writes, waits on
+   EAGAIN. write(), not send(): it may be a host file on gVisor; SIGPIPE is ignored by
+   every process that calls this. */
 static int send_all(int fd, const void *buf, size_t len)
 {
     const char *p = buf;
+    fd = out_fd(fd);
     while (len > 0) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        ssize_t n = write(fd, p, len);
         if (n > 0) { p += n; len -= (size_t)n; continue; }
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && errno == EAGAIN) {
@@ -132,13 +145,21 @@ static int send_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
+/* A frame in one writev when the peer takes it all (one syscall, and a reader never sees
+   a header without its payload); partial writes are completed by send_all. */
 static int send_frame(int fd, char type, const void *payload, uint32_t len)
 {
     unsigned char hdr[5];
     put_u32(hdr, len + 1);
     hdr[4] = (unsigned char)type;
-    if (send_all(fd, hdr, 5) < 0) return -1;
-    return len ? send_all(fd, payload, len) : 0;
+    struct iovec iov[2] = { { hdr, 5 }, { (void *)payload, len } };
+    ssize_t n;
+    do n = writev(out_fd(fd), iov, len ? 2 : 1); while (n < 0 && errno == EINTR);
+    if (n < 0 && errno != EAGAIN) return -1;
+    size_t done = n < 0 ? 0 : (size_t)n;
+    if (done < 5 && send_all(fd, hdr + done, 5 - done) < 0) return -1;
+    done = done < 5 ? 0 : done - 5;
+    return done < len ? send_all(fd, (const char *)payload + done, len - done) : 0;
 }
 
 static void send_failure(int fd, uint8_t kind, const char *fmt, ...)
@@ -434,13 +455,14 @@ static void handler_kill(pid_t child, int *status, int *done, int sigfd)
     kill_tree(child, child, status, done, sigfd);
 }
 
-/* Read exactly n bytes from the non-blocking conn within timeout_ms; 0 ok, -1 EOF/error/late. */
+/* Read exactly n bytes from the non-blocking conn within timeout_ms; 0 ok, -1 EOF/error/late.
+   read(), not recv(): the relay's stdin on gVisor is a host file. */
 static int conn_read_exact(int conn, unsigned char *buf, size_t n, int timeout_ms)
 {
     int64_t until = now_ms(CLOCK_MONOTONIC) + timeout_ms;
     size_t got = 0;
     while (got < n) {
-        ssize_t r = recv(conn, buf + got, n - got, 0);
+        ssize_t r = read(conn, buf + got, n - got);
         if (r > 0) { got += (size_t)r; continue; }
         if (r == 0) return -1;
         if (errno == EINTR) continue;
@@ -530,14 +552,20 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
         }
         if (x_queued && outlen == 0) break;
 
-        struct pollfd pf[5];
+        struct pollfd pf[6];
         int np = 0, ic = -1, ip[2] = { -1, -1 }, is;
         int want_in = stdin_on && !stdin_eof && inlen < INBUF;
         /* POLLIN even without stdin: gVisor's host-backed sockets report a peer close as
            readable EOF only (no POLLRDHUP), and the close is the cancel signal */
         int watch_in = want_in || !stdin_on || stdin_eof;
-        pf[np] = (struct pollfd){ conn, (short)(POLLRDHUP | (watch_in ? POLLIN : 0) | (outlen ? POLLOUT : 0)), 0 };
-        ic = np++;
+        int out = out_fd(conn), io;
+        pf[np] = (struct pollfd){ conn, (short)(POLLRDHUP | (watch_in ? POLLIN : 0) |
+                                                (outlen && out == conn ? POLLOUT : 0)), 0 };
+        io = ic = np++;
+        if (outlen && out != conn) {
+            pf[np] = (struct pollfd){ out, POLLOUT, 0 };
+            io = np++;
+        }
         for (int i = 0; i < 2; i++)
             if (pipes[i] >= 0 && OUTBUF - outlen >= CHUNK + 5 + 11) {
                 pf[np] = (struct pollfd){ pipes[i], POLLIN, 0 };
@@ -568,8 +596,8 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
             handler_kill(child, &status, &done, sigfd);
             _exit(0);
         }
-        if (pf[ic].revents & POLLOUT && outlen) {
-            ssize_t n = send(conn, outbuf, outlen, MSG_NOSIGNAL);
+        if (pf[io].revents & (POLLOUT | POLLERR | POLLHUP) && outlen) {  /* an error shows in write */
+            ssize_t n = write(out, outbuf, outlen);
             if (n > 0) { memmove(outbuf, outbuf + n, outlen - (size_t)n); outlen -= (size_t)n; }
             else if (n < 0 && errno != EAGAIN && errno != EINTR) {
                 handler_kill(child, &status, &done, sigfd);
@@ -577,13 +605,14 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
             }
         }
         if (pf[ic].revents & POLLIN && want_in) {
-            ssize_t n = recv(conn, inbuf + inlen, INBUF - inlen, 0);
+            ssize_t n = read(conn, inbuf + inlen, INBUF - inlen);
             if (n == 0) { handler_kill(child, &status, &done, sigfd); _exit(0); }
             if (n > 0) inlen += (size_t)n;
         } else if (pf[ic].revents & POLLIN) {
-            /* nothing may arrive now (no stdin, or after its 'i'): EOF = cancel, data = junk */
+            /* nothing may arrive now (no stdin, or after its 'i'): EOF = cancel, data = junk
+               (which ends the exec: consuming that byte loses nothing) */
             unsigned char b;
-            ssize_t n = recv(conn, &b, 1, MSG_PEEK);
+            ssize_t n = read(conn, &b, 1);
             if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
                 handler_kill(child, &status, &done, sigfd);
                 _exit(0);
@@ -678,13 +707,13 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
     }
     /* Unread stdin on close would reset the host's read of 'X': let the host close first. */
     if (stdin_on && !stdin_eof) {
-        shutdown(conn, SHUT_WR);
+        shutdown(out_fd(conn), SHUT_WR);  /* the relay's stdout: ENOTSOCK, harmless */
         int64_t until = now_ms(CLOCK_MONOTONIC) + LINGER_MS;
         for (;;) {
             int64_t left = until - now_ms(CLOCK_MONOTONIC);
             struct pollfd pf = { conn, POLLIN, 0 };
             if (left <= 0 || poll(&pf, 1, (int)left) <= 0) break;
-            if (recv(conn, inbuf, INBUF, 0) <= 0) break;
+            if (read(conn, inbuf, INBUF) <= 0) break;
         }
     }
     return 0;
@@ -699,14 +728,16 @@ static int handler_exec(int conn, struct request *rq, int sigfd)
 static void handler_main(int conn, struct request *rq)
 {
     static unsigned char *reqbuf;
-    if (conn > 3) close_range(3, (unsigned)conn - 1, 0);
-    close_range((unsigned)conn + 1, ~0U, 0);
+    int out = out_fd(conn), lo = conn < out ? conn : out, hi = conn < out ? out : conn;
+    if (lo > 3) close_range(3, (unsigned)lo - 1, 0);
+    if (hi > lo + 1) close_range((unsigned)lo + 1, (unsigned)hi - 1, 0);
+    close_range((unsigned)hi + 1, ~0U, 0);
     if (prctl(PR_SET_CHILD_SUBREAPER, 1) < 0) no_subreaper = 1;
     signal(SIGPIPE, SIG_IGN);
     int sigs[] = { SIGCHLD };
     int sigfd = make_sigfd(sigs, 1);
-    int fl = fcntl(conn, F_GETFL);
-    fcntl(conn, F_SETFL, fl | O_NONBLOCK);
+    fcntl(conn, F_SETFL, fcntl(conn, F_GETFL) | O_NONBLOCK);
+    fcntl(out, F_SETFL, fcntl(out, F_GETFL) | O_NONBLOCK);
     if (sigfd < 0) {
         send_failure(conn, F_RESOURCE, "cannot create a signalfd: %s", strerror(errno));
         _exit(1);
@@ -1260,24 +1291,109 @@ static int listen_at(const char *name)
     return fd;
 }
 
-/* relay NAME: copy stdin -> @NAME and @NAME -> stdout until either side ends. */
+/* Connect to PID 1's @name; right after `runsc run` it may not listen yet: retry for 2 s. */
+static int connect_agent(const char *name)
+{
+    struct sockaddr_un a;
+    socklen_t alen = abstract_addr(&a, name);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) { logmsg("relay: socket: %s", strerror(errno)); return -1; }
+    for (int tries = 0; connect(s, (struct sockaddr *)&a, alen) < 0; tries++) {
+        if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) || tries >= 400) {
+            logmsg("relay: cannot connect to @%s: %s", name, strerror(errno));
+            close(s);
+            return -1;
+        }
+        usleep(5000);
+    }
+    return s;
+}
+
+/* One whole frame from fd (any kind of fd) within timeout_ms: header into hdr, payload
+   into a buffer of at most max bytes (*out, malloc'd). 0 ok, -1 EOF/error/late/too big. */
+static int read_frame_fd(int fd, unsigned char hdr[5], unsigned char **out, uint32_t max, int timeout_ms)
+{
+    int64_t until = now_ms(CLOCK_MONOTONIC) + timeout_ms;
+    unsigned char *buf = NULL;
+    size_t need = 5, got = 0;
+    for (;;) {
+        if (got == need) {
+            if (buf) { *out = buf; return 0; }
+            uint32_t flen = get_u32(hdr);
+            if (flen < 1 || flen - 1 > max || !(buf = malloc(flen))) return -1;
+            if (flen == 1) { *out = buf; return 0; }
+            need = flen - 1;
+            got = 0;
+        }
+        int64_t left = until - now_ms(CLOCK_MONOTONIC);
+        struct pollfd pf = { fd, POLLIN, 0 };
+        if (left <= 0 || poll(&pf, 1, (int)left) <= 0) { free(buf); return -1; }
+        ssize_t n = read(fd, (buf ? buf : hdr) + got, need - got);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (n <= 0) { free(buf); return -1; }
+        got += (size_t)n;
+    }
+}
+
+/* PID 1 answers a ping only on a connection that opened with the right token: a cheap
+   check, once per relay, that our caller holds it. */
+static int token_accepted(int s, const unsigned char *ahdr, const unsigned char *apay)
+{
+    static const unsigned char ping[7] = { 0, 0, 0, 3, 'R', PROTO_VERSION, 'H' };
+    unsigned char hdr[5], *pay = NULL;
+    uint32_t alen = get_u32(ahdr) - 1;
+    if (send_all(s, ahdr, 5) < 0 || send_all(s, apay, alen) < 0 || send_all(s, ping, sizeof ping) < 0)
+        return 0;
+    int ok = read_frame_fd(s, hdr, &pay, 256, REQUEST_READ_MS) == 0 && hdr[4] == 'H';
+    free(pay);
+    return ok;
+}
+
+/*
+ * relay NAME: the node's way in on gVisor (`runsc exec` of this; stdin/stdout = a socket
+ * to the node). The first frame must be the token ('A'), the second a request. An exec
+ * request is served right here by the very handler code PID 1 forks (handler_main:
+ * commands under run mode's filter, tree-kill, keep-alive), once PID 1 has confirmed the
+ * token: each frame then skips a hop through a second sandbox process (on gVisor's ptrace
+ * platform a wake-up plus a read and a write, each way). Any other request (background,
+ * ps, kill, ping, clear: PID 1's table), or no token, is forwarded to PID 1 through
+ * @NAME, and then stdin -> @NAME and @NAME -> stdout are copied until either side ends
+ * (closing the connection cancels a running exec).
+ */
 static int relay_main(int argc, char **argv)
 {
     if (argc < 1) { logmsg("relay: no socket name"); return 125; }
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
-    struct sockaddr_un a;
-    socklen_t alen = abstract_addr(&a, argv[0]);
-    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    /* right after `runsc run` PID 1 may not listen yet: retry for up to 2 s */
-    for (int tries = 0; s >= 0 && connect(s, (struct sockaddr *)&a, alen) < 0; tries++) {
-        if ((errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) || tries >= 400) {
-            logmsg("relay: cannot connect to @%s: %s", argv[0], strerror(errno));
+    unsigned char ahdr[5], rhdr[5], *apay = NULL, *rpay = NULL;
+    if (read_frame_fd(0, ahdr, &apay, 64, REQUEST_READ_MS) < 0) return 0;
+    if (ahdr[4] != 'A') {  /* no token: forwarded as it came, PID 1 closes on it */
+        rpay = apay;
+        memcpy(rhdr, ahdr, 5);
+        apay = NULL;
+    } else if (read_frame_fd(0, rhdr, &rpay, MAX_REQUEST, REQUEST_READ_MS) < 0) {
+        return 0;
+    }
+    static struct request rq;
+    int direct = apay && rhdr[4] == 'R' && !parse_request(rpay, get_u32(rhdr) - 1, &rq) && rq.op == 'E';
+    int s = connect_agent(argv[0]);
+    if (s < 0) return 125;
+    if (direct) {
+        if (!token_accepted(s, ahdr, apay)) return 0;  /* wrong token: silence, like PID 1 */
+        close(s);
+        hconn_in = fcntl(0, F_DUPFD_CLOEXEC, 3);
+        hconn_out = fcntl(1, F_DUPFD_CLOEXEC, 3);
+        int nul = open("/dev/null", O_RDWR | O_CLOEXEC);  /* fds 0-1 stay taken */
+        if (hconn_in < 0 || hconn_out < 0 || nul < 0 || dup2(nul, 0) < 0 || dup2(nul, 1) < 0) {
+            logmsg("relay: cannot set up the connection: %s", strerror(errno));
             return 125;
         }
-        usleep(5000);
+        exec_filter = 1;
+        handler_main(hconn_in, &rq);  /* never returns */
     }
-    if (s < 0) { logmsg("relay: socket: %s", strerror(errno)); return 125; }
+    if ((apay && (send_all(s, ahdr, 5) < 0 || send_all(s, apay, get_u32(ahdr) - 1) < 0)) ||
+        send_all(s, rhdr, 5) < 0 || send_all(s, rpay, get_u32(rhdr) - 1) < 0)
+        return 0;
     static unsigned char buf[CHUNK];
     for (;;) {
         struct pollfd pf[2] = { { 0, POLLIN, 0 }, { s, POLLIN, 0 } };
