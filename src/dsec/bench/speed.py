@@ -15,14 +15,13 @@ Run: ``dsec bench speed`` or ``python -m dsec.bench.speed [--only gvisor,episode
 Where the time goes (py-spy on ``dsec serve``, 2-core VM at load ~8-13, 2026-11-30):
 
 - Short episodes: before recycling (~10-15/s with 8 workers, every start a warm
-  hand-over) ~40 % of the samples were teardown (``_release_kernel_resources``: rmtree,
-  cgroup rmdir, umount) plus a cold refill per episode. Now a killed pool member is
-  recycled (``SandboxManager.start_recycle``: reset in place under a new id, docs/speed.md):
-  the ``episodes`` row runs recycling off first (same run) as its baseline. At load ~100,
-  10.8/s off vs 49.3/s on; with recycling ~58 % of the server's samples are the reset
-  (about a third of it ``umount``: each waits for an RCU grace period, slow under load;
-  a quarter the cgroup rename incl. the v2 move of the init), ~20 % the event loop's
-  HTTP, ~16 % the state store's SQLite writes.
+  hand-over) ~40 % of the samples were teardown plus a cold refill per episode. Now a
+  killed pool member is recycled (``SandboxManager.start_recycle``, docs/speed.md); the
+  ``episodes`` row runs recycling off first (same run) as its baseline, measures the
+  sustained rate after a warm-up, and reports CPU per episode for the server, the client,
+  the sandboxes and the rest of the box. 2026-12-01, load ~19: 90.9/s sustained, 9.56 ms
+  of the bench's CPU per episode (server 7.19, client 0.58, sandboxes 1.79); the box was
+  CPU-bound (other jobs took ~1.1 of the 2 cores).
 - Warm hand-over (create call ~5 ms + first exec ~3-4 ms at load ~2): the create is
   HTTP both ways, admission, four state-store hops (request id reserve, owner record,
   then owner + dead id + answer together) and the node's claim (a SQLite record write on
