@@ -27,8 +27,11 @@ Where the time goes (py-spy on ``dsec serve``, 2-core VM at load ~8-13, 2026-11-
   then owner + dead id + answer together) and the node's claim (a SQLite record write on
   the loop); the exec is HTTP both ways plus the agent round trip (~1.4-2 ms: fork+exec
   of the command inside the sandbox).
-- gVisor exec: one process creation inside gVisor costs ~15x the native one on the ptrace
-  platform (``in_sandbox_fork_exec_ms``); an agent exec there is ~2x that floor.
+- gVisor exec (ptrace platform; the KVM one cannot run on this VM's paravirtual KVM):
+  ``profile_ms`` splits an exec into the agent round trip + spawn without a program image
+  (``/nonexistent``), the program's image and run (``/bin/true``) and the PATH search
+  (``true``). Every gVisor syscall is a ptrace stop of a stub process, every new address
+  space a new stub; docs/exec-agent.md "gVisor tier" has the figures.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ async def _gvisor(n: int, progress: Callable[[str], None]) -> dict[str, Any]:
     node = LocalNodeAgent(Settings(home=home, net_enabled=False))
     await node.start()
     req = ExecRequest(cmd=["true"])
+    # The profile of one exec, per tier, in the same rounds: a missing program (the agent
+    # round trip and the spawn, no program image: exit 127) and /bin/true (no PATH search).
+    parts = {"no_exec": (ExecRequest(cmd=["/nonexistent"]), 127), "abs_path": (ExecRequest(cmd=["/bin/true"]), 0)}
     series: dict[str, list[float]] = {"container": [], "gvisor": [], "gvisor_runsc_exec": []}
     try:
         ids = {t: (await node.create(SandboxSpec(image="busybox", isolation=t, cpu=1, memory="256M",
@@ -92,13 +98,18 @@ async def _gvisor(n: int, progress: Callable[[str], None]) -> dict[str, Any]:
                 r = await node.exec(sid, req)
                 row[tier] = time.perf_counter() - t0
                 assert r.exit_code == 0, r
+                for part, (preq, code) in parts.items():
+                    t0 = time.perf_counter()
+                    r = await node.exec(sid, preq)
+                    row[f"{tier}_{part}"] = time.perf_counter() - t0
+                    assert r.exit_code == code, r
             if i % 5 == 0:  # the old path (runsc exec of dsec-init run), sampled
                 t0 = time.perf_counter()
                 r = await node._exec_gvisor(ids["gvisor"], ["true"], {"PATH": "/bin"}, "/", 10.0, None)
                 row["gvisor_runsc_exec"] = time.perf_counter() - t0
             if i >= 5:
                 for k, v in row.items():
-                    series[k].append(v)
+                    series.setdefault(k, []).append(v)
         progress(f"gvisor: {n} rounds")
         # The floor of each tier: one fork+exec of `true` inside the sandbox (a shell loop),
         # which every exec pays once; gVisor's ptrace platform makes it ~20x dearer.
@@ -116,6 +127,14 @@ async def _gvisor(n: int, progress: Callable[[str], None]) -> dict[str, Any]:
         await node.close()
         shutil.rmtree(home, ignore_errors=True)
     out: dict[str, Any] = {k: _ms(v) for k, v in series.items()}
+    out["runsc_platform"] = node.settings.runsc_platform
+    # where an exec's time goes, medians in ms: agent round trip + spawn without a program
+    # image, + the program's image and run (exec of /bin/true), + the PATH search for "true"
+    out["profile_ms"] = {t: {"round_trip_and_spawn": out[f"{t}_no_exec"]["median_ms"],
+                             "program_image_and_run": round(out[f"{t}_abs_path"]["median_ms"]
+                                                            - out[f"{t}_no_exec"]["median_ms"], 3),
+                             "path_search": round(out[t]["median_ms"] - out[f"{t}_abs_path"]["median_ms"], 3)}
+                         for t in ("container", "gvisor")}
     c = out["container"]["median_ms"]
     out["ratio_gvisor_vs_container"] = round(out["gvisor"]["median_ms"] / c, 2)
     out["ratio_runsc_exec_vs_container"] = round(out["gvisor_runsc_exec"]["median_ms"] / c, 2)
@@ -502,7 +521,9 @@ def table(r: dict[str, Any]) -> str:
         rows.append(f"| gVisor exec round trip vs container tier | {g['ratio_gvisor_vs_container']}x "
                     f"({g['gvisor']['median_ms']} vs {g['container']['median_ms']} ms) | runsc exec "
                     f"{g['ratio_runsc_exec_vs_container']}x; in-sandbox fork+exec floor "
-                    f"{g.get('floor_ratio_gvisor_vs_container')}x | <= 2x |")
+                    f"{g.get('floor_ratio_gvisor_vs_container')}x; round trip + spawn without a program "
+                    f"{g['gvisor_no_exec']['median_ms']} vs {g['container_no_exec']['median_ms']} ms "
+                    f"({g['runsc_platform']}) | <= 2x |")
     if "density" in r:
         d = r["density"]
         rows.append(f"| idle sandboxes at once / host memory each | {d['placed']} of {d['asked']} / "
