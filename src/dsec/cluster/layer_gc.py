@@ -14,10 +14,19 @@ Rules (``plan``):
 
 ``NodeGc`` runs the decision on one node every ``image_gc_cluster_interval_s`` from
 the cluster directory (``dsec.cluster.p2p``: holdings, when each blob was last asked
-for, which blobs each node's sandboxes use) and applies only this node's part: the
-images that need a dropped blob are removed unless a lease holds them (a running or
-pooled sandbox: the node's own guard, re-checked under the store's locks), then exactly
-the dropped blobs that nothing references any more are deleted.
+for, which blobs each node's sandboxes use) and applies only this node's part, keeping
+image records and blobs consistent (``node_drop``, pure):
+
+- an image goes whole or stays whole: it is removed when one of its blobs is dropped
+  here and no lease pins it (a running or pooled sandbox, a pull); a pinned image keeps
+  every blob, so a listed image always has all its layers;
+- with it go its config and manifest, and its layers the cluster drops here; a layer
+  the cluster keeps here (a base-layer keeper, or one asked for lately) stays as a *bare
+  copy*: no image names it, but the node still publishes it as a layer (and a base
+  layer) it holds, so later passes still count it and may still drop it;
+- an image whose layers are gone (no blob, not unpacked) is removed too: it could not
+  start a sandbox, and the layer index (what the scheduler's coverage is built from)
+  must not claim it.
 """
 
 from __future__ import annotations
@@ -62,6 +71,42 @@ def plan(view: GcView, now: float, min_copies: int, unused_s: float) -> dict[str
         for node in drop:
             out.setdefault(node, set()).add(digest)
     return out
+
+
+class NodeImage(BaseModel):
+    """One image record of a node's store, as ``node_drop`` needs it."""
+
+    id: str
+    layers: list[str] = Field(default_factory=list, description="layer blob digests, base first")
+    blobs: set[str] = Field(default_factory=set, description="every blob of it: config, manifest, layers")
+    pinned: bool = Field(False, description="a lease holds it (running or pooled sandbox, pull in flight)")
+    complete: bool = Field(True, description="every layer is here (blob or unpacked)")
+
+
+class NodeDrop(BaseModel):
+    images: set[str] = Field(default_factory=set, description="image records to remove")
+    blobs: set[str] = Field(default_factory=set, description="blobs to delete")
+    bare: set[str] = Field(default_factory=set, description="layers of removed images kept as bare copies")
+
+
+def node_drop(images: list[NodeImage], drop: set[str], leased: set[str]) -> NodeDrop:
+    """What this node removes for the cluster's ``drop`` (its share of ``plan``), so that
+    image records and blobs stay consistent (see module docstring). Pure."""
+    gone = {i.id for i in images if not i.pinned and (i.blobs & drop or not i.complete)}
+    kept_refs = set(leased).union(*(i.blobs for i in images if i.id not in gone))
+    freed = set().union(*(i.blobs for i in images if i.id in gone))
+    layers_of_gone = set().union(*(set(i.layers) for i in images if i.id in gone))
+    bare = layers_of_gone - drop - kept_refs  # the cluster wants a copy here
+    return NodeDrop(images=gone, blobs=((drop | freed) - bare) - kept_refs, bare=bare)
+
+
+def published(images: list[NodeImage], held: set[str], prev: dict[str, list[str]]) -> dict[str, list[str]]:
+    """What a node publishes about its layers (``p2p:img:<node>``): the base layer and the
+    layers of its images, plus the bare copies it still holds from earlier passes (the
+    previous record's, intersected with its blobs), so those stay in the GC's view. Pure."""
+    base = {i.layers[0] for i in images if i.layers} | (set(prev.get("base", [])) & held)
+    layers = {d for i in images for d in i.layers} | (set(prev.get("layers", [])) & held)
+    return {"base": sorted(base), "layers": sorted(layers)}
 
 
 # --- the node side ---------------------------------------------------------------------
@@ -136,9 +181,7 @@ class NodeGc:
         now = time.time() if now is None else now
         used = self.publish_use()
         images = self.store.list()
-        self.dir.kv.put(_IMG + self.node, json.dumps({
-            "base": sorted({i.layers[0].digest for i in images if i.layers}),
-            "layers": sorted({li.digest for i in images for li in i.layers})}), True)
+        self._publish_layers()
         for d in used:  # in use now counts as wanted now
             self.dir.asked(d, now)
         # This node's own record of when it last used (or got) each image's blobs: a stock
@@ -152,33 +195,59 @@ class NodeGc:
                     wanted[d] = t
         drop = plan(self.view(), now, self.s.image_base_layer_min_copies, self.s.image_gc_unused_s).get(self.node, set())
         drop -= used
-        if not drop:
+        if not drop and all(i.complete for i in self.node_images()):
             return []
         return self._drop(drop)
 
+    def node_images(self) -> list[NodeImage]:
+        """This node's image records as ``node_drop`` sees them (leases re-read now)."""
+        leased = self.store.db.leased_objects()
+        out = []
+        for info in self.store.list():
+            layers = [li.digest for li in info.layers]
+            manifest = self.store.manifest_digest(info.id)
+            blobs = {info.id, *layers} | ({manifest} if manifest.startswith("sha256:") else set())
+            out.append(NodeImage(
+                id=info.id, layers=layers, blobs=blobs,
+                pinned=bool((blobs | {li.diff_id for li in info.layers}) & leased),
+                complete=all(self.store.content.has(li.digest) or self.store.layers.present(li.diff_id)
+                             for li in info.layers)))
+        return out
+
+    def _publish_layers(self) -> None:
+        raw = self.dir.kv.get(_IMG + self.node)
+        prev = json.loads(raw) if raw else {}
+        doc = published(self.node_images(), set(self.store.content.all_digests()), prev)
+        self.dir.kv.put(_IMG + self.node, json.dumps(doc), True)
+
     def _drop(self, drop: set[str]) -> list[str]:
-        """Remove the images that need a dropped blob (none a lease holds: a running or
-        pooled sandbox), then exactly the dropped blobs nothing references any more (a
-        base layer another image still names stays). Unpacked layers follow the store's
-        own GC and cache budget."""
+        """Apply ``node_drop``: remove the images (never one a lease pins), then delete
+        exactly the blobs it names that still nothing references (re-checked: a pull may
+        have registered an image meanwhile). Unpacked layers follow the store's own GC and
+        cache budget (no image names them any more)."""
         from dsec.images.ops import _referenced
 
-        leased = self.store.db.leased_objects()
-        for info in self.store.list():
-            blobs = {info.id} | {li.digest for li in info.layers}
-            if blobs & drop and not (blobs | {li.diff_id for li in info.layers}) & leased:
-                log.info("cluster GC: removing image %s (%s) from node %s: no node used its blobs for %.0fs",
-                         info.id, ",".join(info.names), self.node, self.s.image_gc_unused_s)
-                self.store.remove(info.id)
+        images = self.node_images()
+        decision = node_drop(images, drop, self.store.db.leased_objects())
+        names = {i.id: i for i in self.store.list()}
+        for image_id in sorted(decision.images):
+            info = names.get(image_id)
+            log.info("cluster GC: removing image %s (%s) from node %s: no node used its blobs for %.0fs",
+                     image_id, ",".join(info.names) if info else "?", self.node, self.s.image_gc_unused_s)
+            try:
+                self.store.remove(image_id)
+            except Exception:
+                log.debug("removing image %s failed", image_id, exc_info=True)
         referenced = _referenced(self.store)
         leased = self.store.db.leased_objects()
         gone = []
-        for d in sorted(drop):
+        for d in sorted(decision.blobs):
             if d in referenced or d in leased:
                 continue
             with self.store.locks.hold("blob-" + d):
                 if self.store.content.delete(d):
                     gone.append(d)
         self.dir.retract(self.node, gone)
+        self._publish_layers()  # bare copies stay in the GC's view; removed layers leave it
         self.removed += gone
         return gone

@@ -325,6 +325,7 @@ class PeerFetcher:
         self.cut_through = 0  # blobs received from a node still receiving them (bench/tests)
         self.use_partial = settings.p2p_cut_through  # ask nodes still receiving a blob (admin may switch it)
         self.timeline: list[dict[str, Any]] = []  # the last blobs fetched: source, start, seconds
+        self.announced: set[str] = set()  # announced as held here since NodePeers.sync last looked
 
     def close(self) -> None:
         self._http.close()
@@ -385,6 +386,7 @@ class PeerFetcher:
                         skip.add(peer)
                         continue
                     self.dir.announce(self.node, [digest])
+                    self.announced.add(digest)
                     return f"peer:{peer}"
             late = time.monotonic() > deadline
             # Nobody to ask (or waited long enough): fetch it ourselves if we get the claim.
@@ -418,6 +420,7 @@ class PeerFetcher:
             # Announce BEFORE dropping the claim: a waiter that sees the claim gone must
             # also see this node as a holder, or it would claim and fetch it again.
             self.dir.announce(self.node, [digest])
+            self.announced.add(digest)
         finally:
             stop.set()
             refresher.join()
@@ -530,10 +533,16 @@ class NodePeers:
 
     def sync(self) -> None:
         """Publish the blobs this node holds now; retract the ones it no longer holds."""
+        # Blobs the fetcher announced since the last look count as announced: a blob deleted
+        # since (forget, GC) must be retracted, or peers keep asking this node for it (404)
+        # and, having skipped it, would go to the registry once it holds the blob again.
+        fetched = set(self.fetcher.announced)
+        known = self._announced | fetched
         have = set(self.store.content.all_digests())
-        self.dir.announce(self.node, have - self._announced)
-        self.dir.retract(self.node, self._announced - have)
+        self.dir.announce(self.node, have - known)
+        self.dir.retract(self.node, known - have)
         self._announced = have
+        self.fetcher.announced -= fetched
 
     def _loop(self) -> None:
         while not self._stop.wait(self.s.p2p_announce_interval_s):

@@ -249,7 +249,8 @@ def test_cluster_gc_keeps_used_and_base_layers_drops_idle_others(env: dict[str, 
     so half a day later it is still kept). A day after that use, the pass removes the top
     (non-base) layer from the node and keeps the base layer (the cluster holds fewer than
     image_base_layer_min_copies=3 copies); the image leaves the node's layer index; the
-    directory no longer lists the node as a holder of the top layer."""
+    directory no longer lists the node as a holder of the top layer. The image goes whole
+    (its config too) and the kept base layer stays in the GC's view as a bare copy."""
     import ray
     from ray.experimental import internal_kv as kv
 
@@ -275,10 +276,14 @@ def test_cluster_gc_keeps_used_and_base_layers_drops_idle_others(env: dict[str, 
     assert top not in ray.get(handle.cluster_gc.remote(2.5 * 86400.0), timeout=120)
     removed = ray.get(handle.cluster_gc.remote(4 * 86400.0), timeout=120)
     assert top in removed and base not in removed, removed
+    assert info.id in removed  # the image went whole: its config too, not only the dropped layer
     index = asyncio.run(proxies[node].layer_index())
     assert not any("team/gc" in n for i in index.images for n in i.names), index
     assert kv._internal_kv_get(f"p2p:has:{top}:{node}", namespace="dsec") is None
     assert kv._internal_kv_get(f"p2p:has:{base}:{node}", namespace="dsec") is not None
+    # The base layer stays as a bare copy the GC still counts (a base layer this node holds).
+    doc = json.loads(kv._internal_kv_get(f"p2p:img:{node}", namespace="dsec"))
+    assert base in doc["base"] and base in doc["layers"] and top not in doc["layers"], doc
 
 
 def test_prefetch_popular_image_then_pool_on_layer_holders(env: dict[str, Any]) -> None:

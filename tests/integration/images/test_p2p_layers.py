@@ -295,3 +295,28 @@ def test_cut_through_a_corrupt_byte_is_caught_at_the_receiver_which_falls_back(
     receiver.store.content.verify(layer.digest)
     _no_partial(receiver.store)
     _no_partial(holder.store)
+
+
+def test_forgotten_blobs_are_retracted_so_the_next_burst_fetches_each_blob_once(
+        tmp_path: Path, registry: Registry, pushed: str, directory: KVDirectory, nodes: list[NodePeers]) -> None:
+    """A node that deleted a blob it fetched (``forget``; GC alike) takes itself out of the
+    directory at once: otherwise peers ask it, get 404, skip it for that fetch and, once
+    it holds the blob again, fetch it from the registry a second time."""
+    nodes += [_node(tmp_path, f"n{i}", registry, directory) for i in range(3)]
+    for n in nodes:  # each fetched (and announced) every blob
+        resolve_or_pull(n.store, pushed)
+    info = nodes[0].store.resolve(pushed)
+    for n in nodes:
+        n.admin("forget", {"ref": pushed})
+    for d in [info.id] + [li.digest for li in info.layers]:
+        assert directory.holders(d) == [], d
+    before = sum(n.fetcher.registry_fetches for n in nodes)
+    barrier = threading.Barrier(len(nodes))
+
+    def go(n: NodePeers) -> None:
+        barrier.wait()
+        resolve_or_pull(n.store, pushed)
+
+    with cf.ThreadPoolExecutor(len(nodes)) as pool:
+        list(pool.map(go, nodes))
+    assert sum(n.fetcher.registry_fetches for n in nodes) - before == 2  # config + layer, once each
