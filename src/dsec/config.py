@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     default_nofile: int = Field(4096, description="RLIMIT_NOFILE in sandboxes (<= host hard limit)")
     default_isolation: str = Field("container", description="container (runc) or gvisor (runsc)")
     runc_path: str = Field("runc", description="runc binary")
+    runtime_nice: int = Field(-10, ge=-20, le=19, description="Container tier: nice of `runc run` on a cold "
+                              "create, so it outranks sandbox load (dsec-init resets PID 1 to 0 before any sandbox "
+                              "code runs); 0 = as the node")
     init_seccomp: bool = Field(True, description="Container tier: PID 1 (dsec-init) installs the sandbox seccomp "
                                                  "profile, built with it, instead of runc compiling it on each "
                                                  "create (about 10 ms of CPU); false: runc's OCI profile")

@@ -99,7 +99,8 @@ class SandboxManager:
         rt = self.runtimes.get(isolation)
         if rt is None:
             rt = make_runtime(isolation, self.settings.runc_path, self.settings.runsc_path,
-                              self.settings.runsc_platform, self.run_dir, self.settings.runsc_debug_dir)
+                              self.settings.runsc_platform, self.run_dir, self.settings.runsc_debug_dir,
+                              run_nice=self.settings.runtime_nice)
             self.runtimes[isolation] = rt
         return rt
 

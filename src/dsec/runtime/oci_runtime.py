@@ -87,6 +87,9 @@ class OciRuntime:
     state_root: Path
     extra_global_args: list[str] = field(default_factory=list)
     name: str = "runc"
+    # Nice of ``run`` (through nice(1)): a cold create's runtime work outranks sandbox
+    # load on the node; dsec-init puts PID 1 back at 0 before any sandbox code runs.
+    run_nice: int = 0
 
     def _base(self) -> list[str]:
         return [self.binary, "--root", str(self.state_root), *self.extra_global_args]
@@ -104,7 +107,8 @@ class OciRuntime:
         pid_file = bundle / "init.pid"
         fds = ["--preserve-fds", "1"] if listen_fd is not None else []
         wrap = runsc_netstack_wrapper(netstack_netns) if netstack_netns else []
-        argv = [*wrap, *self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
+        nice = ["nice", "-n", str(self.run_nice)] if self.run_nice else []
+        argv = [*nice, *wrap, *self._base(), *run_global_args, "run", "--detach", *fds, "--pid-file", str(pid_file),
                 "--bundle", str(bundle), sandbox_id]
         res = await spawn(argv, log_path, {3: listen_fd} if listen_fd is not None else None)
         if res.returncode != 0:
@@ -190,9 +194,11 @@ def runsc_netstack_wrapper(netns_path: str) -> list[str]:
 
 
 def make_runtime(isolation: str, runc_path: str, runsc_path: str, platform: str, state_base: Path,
-                 runsc_debug_dir: Path | None = None) -> OciRuntime:
+                 runsc_debug_dir: Path | None = None, run_nice: int = 0) -> OciRuntime:
+    """``run_nice`` applies to the container tier only: there PID 1 (dsec-init) resets its
+    nice to 0 before any sandbox code runs; gVisor's Sentry would keep it."""
     if isolation == "container":
-        return OciRuntime(runc_path, state_base / "runc", ["--log-format", "json"], name="runc")
+        return OciRuntime(runc_path, state_base / "runc", ["--log-format", "json"], name="runc", run_nice=run_nice)
     if isolation == "gvisor":
         # --ignore-cgroups: runsc cannot drive hybrid cgroups here; limits are applied from
         # the host (see dsec.node.cgroups). file-access=shared: host-side file API writes

@@ -43,6 +43,7 @@
 #include <stddef.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -1431,6 +1432,17 @@ int main(int argc, char **argv)
             logmsg("cannot install the sandbox seccomp profile: %s", strerror(errno));
             return 1;
         }
+    /* The node may start the runtime at a negative nice (DSEC_RUNTIME_NICE: its create
+       path outranks sandbox load); sandbox code must never inherit that, so PID 1 goes
+       back to 0 before it starts anything. (Raising one's nice needs no privilege.) */
+    if (serving) {
+        errno = 0;
+        int prio = getpriority(PRIO_PROCESS, 0);
+        if (errno == 0 && prio < 0 && setpriority(PRIO_PROCESS, 0, 0) < 0) {
+            logmsg("cannot reset nice %d to 0: %s", prio, strerror(errno));
+            return 1;
+        }
+    }
     reset_all_dispositions();
     if (argc >= 2 && strcmp(argv[1], "run") == 0) return run_main(argc - 2, argv + 2);
     if (argc >= 2 && strcmp(argv[1], "relay") == 0) return relay_main(argc - 2, argv + 2);
