@@ -147,6 +147,7 @@ class Settings(BaseSettings):
     cluster: str | None = Field(None, description="Ray cluster to drive (ray://HEAD:PORT or HEAD:PORT); None: this machine only")
     cluster_agent_timeout_s: float = Field(60.0, description="Longest wait for a node agent actor to start or answer a control call")
     cluster_membership_interval_s: float = Field(5.0, description="How often `dsec serve --cluster` looks for DSec nodes that joined")
+    cluster_layer_sync_interval_s: float = Field(60.0, gt=0, description="How often `dsec serve --cluster` reads every node's layer index so the scheduler's layer coverage drops what a node removed (cluster GC) and adds what it got")
     cluster_heartbeat_interval_s: float = Field(1.0, gt=0, description="How often `dsec serve --cluster` probes every node agent's health (heartbeat)")
     cluster_heartbeat_timeout_s: float = Field(2.0, gt=0, description="Longest wait for one heartbeat answer; a slower answer counts as missed")
     cluster_node_lost_after_s: float = Field(5.0, gt=0, description="A node with no good heartbeat for this long (or whose Ray node died) is lost: its sandboxes answer 410")

@@ -202,20 +202,60 @@ class Heartbeats:
         log.warning("node %s is back: destroyed %d given-up sandboxes, ready again", nid, len(destroyed))
 
 
+def layer_changes(before: set[str], now: set[str]) -> tuple[list[str], list[str]]:
+    """(added, removed) between two looks at one node's layer index (pure)."""
+    return sorted(now - before), sorted(before - now)
+
+
 class Membership:
     """Picks up DSec nodes that join the Ray cluster after the server started: starts
-    their agent, adds them to the router and (with their layer index) to the scheduler."""
+    their agent, adds them to the router and (with their layer index) to the scheduler.
+    Every ``cluster_layer_sync_interval_s`` it also re-reads each node's layer index, so
+    the scheduler's layer coverage follows what the nodes really hold (``sync_layers``)."""
 
     def __init__(self, settings: Settings, router: Any, driver: Any | None) -> None:
         self.settings, self.router, self.driver = settings, router, driver
+        self.seen: dict[str, set[str]] = {}  # node -> layers its index showed at the last look
+        self._synced = time.monotonic()
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.settings.cluster_membership_interval_s)
             try:
                 await self.refresh()
+                if time.monotonic() - self._synced >= self.settings.cluster_layer_sync_interval_s:
+                    self._synced = time.monotonic()
+                    await self.sync_layers()
             except Exception:  # the next pass retries; serving goes on
                 log.exception("looking for new cluster nodes failed")
+
+    async def sync_layers(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Apply to the scheduler what each node's own layer index shows changed since the
+        last look: a layer the node no longer holds (the cluster GC removed its image) stops
+        counting for placement there; one it got (a pull, a peer fetch) counts. Only changes
+        the node itself shows: a placement's optimistic addition (the node pulls on create)
+        is never undone before the node had it. Returns node -> (added, removed)."""
+        if self.driver is None:
+            return {}
+        sched = self.driver.sched
+        out: dict[str, tuple[list[str], list[str]]] = {}
+        for nid, agent in list(self.router.agents.items()):
+            if nid not in sched.cluster.nodes:
+                continue
+            try:
+                have = (await agent.layer_index()).digests()
+            except Exception:  # noqa: BLE001, S112 - unreachable now: judged at the next look
+                continue
+            before = self.seen.get(nid)
+            self.seen[nid] = have
+            if before is None:
+                continue
+            added, removed = layer_changes(before, have)
+            if added or removed:
+                sched.layers_changed(nid, added, removed)
+                out[nid] = (added, removed)
+                log.info("node %s layers: +%d -%d (scheduler coverage updated)", nid, len(added), len(removed))
+        return out
 
     async def refresh(self) -> list[str]:
         from dsec.cluster.ray import RayNodeProxy, dsec_nodes, ensure_agent
@@ -232,6 +272,7 @@ class Membership:
                 self.driver.sched.upsert_node(nid, cap.cpu, cap.memory, cap.disk, max_sandboxes=cap.max_sandboxes,
                                               isolation=tuple(cap.isolation), gpus=cap.gpus, labels=cap.labels,
                                               layers=index.digests())
+                self.seen[nid] = index.digests()  # sync_layers' first look
                 self.driver.agents = {**self.driver.agents, nid: proxy}
                 catalog = getattr(self.driver, "images_catalog", None)
                 if catalog is not None:

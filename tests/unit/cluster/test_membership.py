@@ -217,3 +217,40 @@ async def test_lost_nodes_warm_members_are_rebuilt_on_other_nodes_at_once(tmp_pa
             await asyncio.sleep(0.01)
         assert ready() == {"b": 4}, ready()
         assert len([i for i in await router.list() if i.node == "b"]) == 4
+
+
+async def test_layer_sync_drops_what_a_node_removed_from_the_schedulers_coverage(tmp_path: Path) -> None:
+    """The scheduler counts a node's layers for placement; when the node's own layer index
+    no longer shows an image's layers (the cluster GC removed it there), the next layer
+    sync takes them out of the scheduler's layer index, and adds what the node got. A
+    layer the scheduler added itself (a placement whose pull is still to come) is left."""
+    from dsec.cluster.router import ClusterRouter
+    from dsec.cluster.serve import Membership, layer_changes
+    from dsec.config import Settings
+    from dsec.control.scheduler import Scheduler
+    from dsec.testing import FakeNodeAgent
+    from dsec.testing.fake_node import _image_layers
+
+    s = Settings(home=tmp_path)
+    a = FakeNodeAgent(s, node_id="a", known_images=("busybox", "python"))
+    router = ClusterRouter({"a": a})
+    sched = Scheduler(s)
+    index = await a.layer_index()
+    sched.upsert_node("a", 8, 32 << 30, 200 << 30, layers=index.digests())
+
+    class Driver:
+        pass
+
+    driver = Driver()
+    driver.sched = sched  # type: ignore[attr-defined]
+    joins = Membership(s, router, driver)
+    (py,), (bb,) = ([d for d, _ in _image_layers(n).layers] for n in ("python", "busybox"))
+    optimistic = "sha256:" + "9" * 64
+    assert await joins.sync_layers() == {}  # first look: the baseline
+    sched.layers_changed("a", [optimistic])
+    a.known_images = ("busybox", "gone-then-back")  # python removed, another image arrived
+    new = _image_layers("gone-then-back").layers[0][0]
+    assert await joins.sync_layers() == {"a": ([new], [py])}
+    assert sched.cluster.nodes["a"].layers == {bb, new, optimistic}
+    assert "a" not in (sched.cluster.layer_index.get(py) or ())
+    assert layer_changes({"x", "y"}, {"y", "z"}) == (["z"], ["x"])
