@@ -341,8 +341,10 @@ def executor(workers: int = 2) -> ThreadPoolExecutor:
 # A reset keeps the sandbox's scratch tmpfs when the old writable layer is this small
 # (inodes in use: upper + work + what the tenant wrote): deleting a few files is cheaper
 # than a new tmpfs mount plus an umount (an RCU grace period). A tenant that wrote more
-# gets a new tmpfs, so the reset never spends long deleting a huge tree.
-REUSE_SCRATCH_MAX_INODES = 2048
+# gets a new tmpfs, so the reset never spends long deleting a huge tree. The bound also
+# bounds the tree's depth: shutil.rmtree recurses and holds a dir fd per level, so a
+# tenant's deep chain stays far below the recursion limit (1000) and the fd limit.
+REUSE_SCRATCH_MAX_INODES = 512
 
 
 def scratch_reusable(scratch: Path, max_inodes: int = REUSE_SCRATCH_MAX_INODES) -> bool:
@@ -427,9 +429,12 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
         # The old overlay is unmounted everywhere and every process that could write
         # through it is dead: its upper and work dirs are plain files now. The new
         # overlay holds its dirs by reference, so renaming them does not disturb it.
-        for name, new in (("upper", nupper), ("work", nwork)):
-            _rmtree(scratch / name)
-            os.rename(new, scratch / name)
+        try:
+            for name, new in (("upper", nupper), ("work", nwork)):
+                _rmtree(scratch / name)
+                os.rename(new, scratch / name)
+        except (OSError, RecursionError) as e:  # the caller re-makes (reset) or tears down (recycle)
+            raise ResetError(f"sandbox {sandbox_id}: the old writable layer could not be deleted: {e}") from e
     else:
         syscalls.umount(str(scratch))
         syscalls.mount(str(nscratch), str(scratch), "", MS_MOVE)

@@ -119,7 +119,8 @@ async def test_reset_reuses_a_small_scratch_and_replaces_a_big_one(node):
     the same scratch tmpfs (no new tmpfs mount and no umount, which waits for an RCU grace
     period); after more files than ``REUSE_SCRATCH_MAX_INODES`` the whole tmpfs is replaced,
     so a reset never spends long deleting. Either way nothing written survives, the disk
-    quota is whole again (a second near-full write fits) and the file API sees the new layer."""
+    quota is whole again (a second near-full write fits) and the file API sees the new layer.
+    A deep directory chain within the bound is deleted in place as well."""
     import os
 
     from dsec.node import reset as rs
@@ -135,6 +136,11 @@ async def test_reset_reuses_a_small_scratch_and_replaces_a_big_one(node):
     assert (await sh(node, info.id, "ls /work | wc -l")).stdout.strip() == "0"
     assert "FILLED" in (await sh(node, info.id, fill)).stdout  # the 12M of the old layer were freed
     assert await node.read_file(info.id, "/work/fill") == b"\0" * (12 << 20)
+    deep = "/".join(["d"] * 400)  # a deep chain within the bound: deleted in place too
+    assert (await sh(node, info.id, f"mkdir -p /tmp/{deep} && echo ok")).stdout == "ok\n"
+    await node.reset(info.id)
+    assert os.stat(scratch).st_dev == dev
+    assert (await sh(node, info.id, "find /tmp /work -mindepth 1 | wc -l")).stdout.strip() == "0"
 
     many = rs.REUSE_SCRATCH_MAX_INODES + 100
     r = await sh(node, info.id, f"rm /work/fill; mkdir /tmp/m && cd /tmp/m && seq 1 {many} | xargs touch && ls | wc -l")
