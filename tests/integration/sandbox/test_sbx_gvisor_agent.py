@@ -71,3 +71,13 @@ async def test_exec_is_served_by_the_relay_itself(node):
     r = await sh(node, info.id, "read -r _ _ _ p _ < /proc/$PPID/stat; echo $p; tr '\\0' ' ' < /proc/$PPID/cmdline")
     ppid, cmdline = r.stdout.splitlines()
     assert cmdline.strip() == "/.dsec/init relay dsec-agent" and ppid != "1", r
+
+
+async def test_sandbox_code_cannot_write_host_files_through_proc_fd(node):
+    """gVisor does not apply the dumpable rule to /proc/N/fd: sandbox code could open PID 1's
+    and the relays' host-backed stdio there, log files on the host that no disk quota
+    covers. After start-up they point at /dev/null, so no host file is writable that way."""
+    info = await make(node, "gvisor")
+    r = await sh(node, info.id, "for f in /proc/[0-9]*/fd/*; do case $(readlink $f) in host:*) "
+                                "echo x 2>/dev/null >> $f && echo WROTE $f;; esac; done; echo done")
+    assert r.stdout.endswith("done\n") and "WROTE" not in r.stdout, r

@@ -1292,6 +1292,20 @@ static int listen_at(const char *name)
     return fd;
 }
 
+/*
+ * gVisor does not apply the dumpable rule to /proc/N/fd: sandbox code can open PID 1's
+ * and a relay's host-backed stdio there, and runsc points them at host log files that
+ * no disk quota covers. So once start-up is over (and its diagnostics written), fds
+ * first..2 go to /dev/null; later diagnostics are lost on that tier.
+ */
+static void quiet_host_stdio(int first)
+{
+    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (nul < 0) return;
+    for (int fd = first; fd <= 2; fd++) dup2(nul, fd);
+    close(nul);
+}
+
 /* Connect to PID 1's @name; right after `runsc run` it may not listen yet: retry for 2 s. */
 static int connect_agent(const char *name)
 {
@@ -1384,14 +1398,15 @@ static int relay_main(int argc, char **argv)
         close(s);
         hconn_in = fcntl(0, F_DUPFD_CLOEXEC, 3);
         hconn_out = fcntl(1, F_DUPFD_CLOEXEC, 3);
-        int nul = open("/dev/null", O_RDWR | O_CLOEXEC);  /* fds 0-1 stay taken */
-        if (hconn_in < 0 || hconn_out < 0 || nul < 0 || dup2(nul, 0) < 0 || dup2(nul, 1) < 0) {
+        if (hconn_in < 0 || hconn_out < 0) {
             logmsg("relay: cannot set up the connection: %s", strerror(errno));
             return 125;
         }
+        quiet_host_stdio(0);  /* fds 0-2 stay taken, by /dev/null */
         exec_filter = 1;
         handler_main(hconn_in, &rq);  /* never returns */
     }
+    quiet_host_stdio(2);
     if ((apay && (send_all(s, ahdr, 5) < 0 || send_all(s, apay, get_u32(ahdr) - 1) < 0)) ||
         send_all(s, rhdr, 5) < 0 || send_all(s, rpay, get_u32(rhdr) - 1) < 0)
         return 0;
@@ -1467,6 +1482,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (listen_name && fd >= 0) fd = listen_at(listen_name);
+    if (listen_name) quiet_host_stdio(0);
     serve(fd, listen_name != NULL);
     return 0;
 }
