@@ -205,7 +205,7 @@ def _leftovers(home: Path, ids: list[str], parent: str = "dsec") -> dict[str, in
 
 
 async def _density(count: int, execs: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    from dsec.api.launch import start_serve
+    from dsec.api.launch import reap_home, start_serve
     from dsec.models import ExecRequest, SandboxSpec
     from dsec.sdk import AsyncClient
 
@@ -286,6 +286,8 @@ async def _density(count: int, execs: int, progress: Callable[[str], None]) -> d
         out["leftovers_after_destroy"], out["leftovers_checked_after_s"] = left, round(time.perf_counter() - t0, 1)
     finally:
         srv.stop()
+        # A run that failed half-way must not leave up to 1,000 sandboxes on a shared box.
+        await asyncio.to_thread(reap_home, home)
         shutil.rmtree(home, ignore_errors=True)
     return out
 
