@@ -345,8 +345,9 @@ class Settings(BaseSettings):
 
     # --- run-level accounting and live clones (issue 16; dsec.accounting) --------------
     usage_enabled: bool = Field(True, description="Account sandboxes' CPU, memory, execs, bytes written, lifetime")
-    usage_sample_interval_s: float = Field(1.0, gt=0, description="How often every live sandbox's cgroup "
-                                           "counters are sampled (memory GiB-seconds integrate over samples)")
+    usage_sample_interval_s: float = Field(1.0, gt=0, description="How often a live sandbox's cgroup counters "
+                                           "are sampled while they move (memory GiB-seconds integrate over "
+                                           "samples; idle ones back off, usage_idle_sample_max_s)")
     usage_idle_sample_max_s: float = Field(30.0, gt=0, description="A sandbox whose counters did not move since "
                                            "its last sample is read at doubling intervals up to this (an exec or "
                                            "any change brings it back to usage_sample_interval_s): idle sandboxes "
