@@ -305,8 +305,7 @@ class UsageLedger:
         ones are sampled first (idle ones may be sampled rarely, ``next_interval``)."""
         uid = tenant.uid
         await self.sample(force=True, which=lambda e: (
-            (e.tenant_uid == uid or (e.tenant_uid is None and e.tenant_name == tenant.name))
-            and all(e.labels.get(k) == v for k, v in labels.items())))
+            self._owned_by(e, tenant) and all(e.labels.get(k) == v for k, v in labels.items())))
         await self.flush()
         totals = await asyncio.to_thread(self.store.totals, uid, labels)
         rows = await asyncio.to_thread(self.store.sandboxes, uid, labels, limit) if limit > 0 else []
@@ -334,10 +333,13 @@ class UsageLedger:
             raise NotFound(f"no usage quota on label {label!r}; list them with GET /v1/usage/quotas", label=label)
         self._quotas.pop((tenant.uid, k, v), None)
 
+    @staticmethod
+    def _owned_by(e: _Entry, tenant: TenantRecord) -> bool:
+        return e.tenant_uid == tenant.uid or (e.tenant_uid is None and e.tenant_name == tenant.name)
+
     def live_count(self, tenant: TenantRecord, key: str, value: str) -> int:
         uid = tenant.uid
-        n = sum(1 for e in self.live.values() if e.labels.get(key) == value and (
-            e.tenant_uid == uid or (e.tenant_uid is None and e.tenant_name == tenant.name)))
+        n = sum(1 for e in self.live.values() if e.labels.get(key) == value and self._owned_by(e, tenant))
         return n + sum(1 for u, lb in self._pending.values() if u == uid and lb.get(key) == value)
 
     async def admit(self, tenant: TenantRecord, labels: dict[str, str], sandbox_id: str) -> None:
@@ -356,7 +358,8 @@ class UsageLedger:
                         quota="max_sandboxes", label=f"{k}={v}", limit=q.max_sandboxes, in_use=n,
                         retry_after=self.settings.api_retry_after_s)
             if q.max_cpu_seconds is not None:
-                await self.sample(force=True)
+                # Only the sandboxes this quota counts: a create must not read 1,000 cgroups.
+                await self.sample(force=True, which=lambda e, k=k, v=v: e.labels.get(k) == v and self._owned_by(e, tenant))
                 await self.flush()
                 used = await asyncio.to_thread(self.store.cpu_seconds, tenant.uid, k, v)
                 if used >= q.max_cpu_seconds:

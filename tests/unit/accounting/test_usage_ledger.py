@@ -220,3 +220,30 @@ def test_cgroup_counters_read_v1_then_v2(tmp_path: Path) -> None:
     (v2 / "dsec" / "sb-2" / "memory.current").write_text("junk\n")
     assert read_memory("dsec", "sb-2", v2) is None
     assert (read_cpu_ns("dsec", "sb-gone", v2), read_memory("dsec", "sb-gone", v1)) == (None, None)
+
+
+async def test_cpu_quota_check_reads_only_the_sandboxes_it_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A create under a max_cpu_seconds quota samples the tenant's sandboxes with that
+    label only (issue 15: with 1,000 live sandboxes it read all 1,000 cgroups per create)."""
+    from dsec.accounting import ledger as ledger_mod
+    from dsec.accounting.ledger import _Entry
+
+    reads: list[str] = []
+
+    def fake_read(parent: str, sid: str, scratch: Path, t: float) -> Counters:
+        reads.append(sid)
+        return Counters(t=t, cpu_ns=10**9, memory=0, disk_used=0)
+
+    monkeypatch.setattr(ledger_mod, "read_counters", fake_read)
+    ledger = UsageLedger(Settings(home=tmp_path), SimpleNamespace(), UsageStore(":memory:"))  # type: ignore[arg-type]
+    for i in range(50):
+        sid = f"sb-{i}"
+        labels = {"run": "r9"} if i < 3 else {"run": "other"}
+        ledger.live[sid] = _Entry(sandbox_id=sid, tenant_uid="u1" if i != 2 else "u2", tenant_name="t",
+                                  labels=labels, started_at=0.0, scratch=tmp_path)
+    t1 = TenantRecord(name="t1", uid="u1", token_hash="h1")
+    await ledger.set_quota(t1, LabelQuota(label="run=r9", max_cpu_seconds=100.0))
+    await ledger.admit(t1, {"run": "r9"}, "sb-new")
+    assert sorted(reads) == ["sb-0", "sb-1"]
+    ledger.store.close()
