@@ -110,6 +110,12 @@ class SandboxCheckpoints:
         self.cache_dir = cache_dir or settings.checkpoint_cache_dir or settings.home / "ckpt-layers"
         self.layers = LayerCache.at(self.cache_dir, settings.checkpoint_layer_gc_grace_s)
         self._tracked: dict[str, _Tracked] = {}
+        # Ids that may have a base record: the restores this process made, plus (once, at
+        # the first kill) the records already in the store (restores before a restart).
+        # A kill of any other sandbox skips the store delete and its thread hop (issue 15:
+        # an RL episode ends with a kill, and almost none are restored sandboxes).
+        self._bases: set[str] = set()
+        self._bases_listed = False
         hooks = getattr(getattr(node, "manager", None), "before_teardown", None)
         if isinstance(hooks, list):  # TTL, reaper, lease: every teardown, not only API kills
             hooks.append(self._sweep_after_teardown)
@@ -241,6 +247,7 @@ class SandboxCheckpoints:
 
         async def create(spec: SandboxSpec, sandbox_id: str, owner: str) -> SandboxInfo:
             body = json.dumps({"tenant": tenant, "checkpoint_id": checkpoint_id}).encode()
+            self._bases.add(sandbox_id)  # before the write: a kill racing it still deletes it
             try:
                 await asyncio.to_thread(self.store.put, _BASES + sandbox_id, body)
                 try:
@@ -291,7 +298,14 @@ class SandboxCheckpoints:
     async def forget_sandbox(self, sandbox_id: str) -> None:
         """Drop a killed sandbox's base record and tracker (its teardown scheduled the sweep)."""
         self._tracked.pop(sandbox_id, None)
+        if not self._bases_listed:
+            listed = await asyncio.to_thread(self.store.list, _BASES)
+            self._bases.update(k[len(_BASES):] for k in listed)
+            self._bases_listed = True
+        if sandbox_id not in self._bases:  # not restored: it never had a base record
+            return
         try:
             await asyncio.to_thread(self.store.delete, _BASES + sandbox_id)
         except errors.NotFound:
             pass
+        self._bases.discard(sandbox_id)
