@@ -26,13 +26,14 @@ from dsec.errors import Conflict, DSecError, NotFound, SandboxFailure
 from dsec.ids import new_sandbox_id
 from dsec.models import SandboxInfo, SandboxSpec
 from dsec.models import SandboxState as S
+from dsec.models.image import ImageInfo
 from dsec.node import cgroups, clones, syscalls
 from dsec.node.files import SandboxFS
 from dsec.node.lifecycle import check_transition, persisted
 from dsec.node.paths import SandboxPaths, sandbox_paths
 from dsec.node.proctree import descendants
 from dsec.node.records import RecordStore, SandboxRecord
-from dsec.node.resolve import resolve_spec
+from dsec.node.resolve import ResolvedSpec, resolve_spec
 from dsec.runtime import gvisor_relay
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
@@ -419,28 +420,35 @@ class SandboxManager:
         """Why this sandbox cannot become a pool member of ``spec`` (None: it can). Only a
         container-tier sandbox without a network slot whose kernel limits, image and root
         (no clone or checkpoint layers) are exactly what a fresh create of ``spec`` gets."""
+        why, _ = self._recycle_plan(rec, spec)
+        return why
+
+    def _recycle_plan(self, rec: SandboxRecord, spec: SandboxSpec
+                      ) -> tuple[str | None, tuple[ImageInfo, ResolvedSpec] | None]:
+        """``recyclable``'s answer, with the image and resolved spec it checked against
+        when it qualifies (the recycle uses them: one image lookup per kill, issue 15)."""
         info = rec.info
         if info.isolation != "container" or spec.isolation not in (None, "container"):
-            return "not the container tier"
+            return "not the container tier", None
         if info.network is not None or rec.spec.network is not None or spec.network is not None:
-            return "has a network slot"
+            return "has a network slot", None
         if info.state not in (S.idle, S.running, S.ready) or not info.pid:
-            return f"is {info.state.value}"
+            return f"is {info.state.value}", None
         if self.active_execs.get(info.id):
-            return "has a command running"
+            return "has a command running", None
         try:
             image = self.images.resolve_fast(spec.image)
         except DSecError as e:
-            return f"image: {e}"
+            return f"image: {e}", None
         if image.id != info.image_id or not image.layers:
-            return "image changed"
+            return "image changed", None
         r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
         if (r.cpu, r.memory, r.disk, r.pids) != (info.cpu, info.memory, info.disk, info.pids):
-            return "limits differ from the pool shape"
+            return "limits differ from the pool shape", None
         lowers = self._lowers.get(info.id)
         if lowers is None or lowers != [str(self.images.layers.fs(li.diff_id)) for li in reversed(image.layers)]:
-            return "its root has layers beyond the image (clone or restore)"
-        return None
+            return "its root has layers beyond the image (clone or restore)", None
+        return None, (image, r)
 
     async def recycle(self, sandbox_id: str, spec: SandboxSpec) -> SandboxInfo:
         """``start_recycle`` and wait for it."""
@@ -460,14 +468,13 @@ class SandboxManager:
         from dsec.runtime.agent_client import agent_clear_background, agent_exec, agent_forget
 
         old = self.live_record(sandbox_id)
-        why = self.recyclable(old, spec)
-        if why is not None:
+        why, plan = self._recycle_plan(old, spec)
+        if why is not None or plan is None:
             raise Conflict(f"sandbox {sandbox_id} cannot be recycled: {why}", sandbox_id=sandbox_id)
         if sandbox_id in self._reset_locks and self._reset_locks[sandbox_id].locked():
             raise Conflict(f"sandbox {sandbox_id} is being reset", sandbox_id=sandbox_id)
         info = old.info
-        image = self.images.resolve_fast(spec.image)
-        r = resolve_spec(spec, self.settings, image, self.cpu, self.memory, self.disk, self.isolations)
+        image, r = plan  # what the checks resolved: no second image lookup
         nid = new_sandbox_id()
         self._set_state(old, S.stopping, persist=False, error="recycled")  # retired: no call reaches it from here
         self._recycling.add(sandbox_id)

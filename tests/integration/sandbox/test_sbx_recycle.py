@@ -44,11 +44,12 @@ def _limits(sid: str) -> dict[str, str]:
         ("devices", "devices.list"), ("cpuset", "cpuset.cpus"))}
 
 
-async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node):
+async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkeypatch):
     """A hostile tenant's processes, files, env, background table and cgroup counters do
     not reach the next tenant of the recycled sandbox; the old id is retired at once;
     limits and device rules are those of a fresh create; a repeated kill of the old id while
-    the recycle runs changes nothing; destroy leaves nothing of either id."""
+    the recycle runs changes nothing; destroy leaves nothing of either id. The recycle
+    looks its image up once (its checks' answer is reused; issue 15: one per episode)."""
     member = await node.create(POOL, pooled=True)
     alice = await node.claim(member.id, POOL.model_copy(update={"env": {"SECRET": SECRET}, "labels": {"t": "a"}}),
                              "alice")
@@ -61,7 +62,12 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node):
     before, limits = _counters(alice.id), _limits(alice.id)
     assert before["memory/memory.max_usage_in_bytes"] > 40 << 20
 
+    images, lookups = node.manager.images, []
+    resolve_fast = images.resolve_fast
+    monkeypatch.setattr(images, "resolve_fast", lambda ref: lookups.append(ref) or resolve_fast(ref))
     done = await node.start_recycle(alice.id, POOL)  # returns once the old id is retired
+    monkeypatch.undo()
+    assert lookups == [POOL.image]
     with pytest.raises(DSecError):
         await sh(node, alice.id, "true")
     await node.destroy(alice.id)  # a repeated kill while the reset runs: a no-op
