@@ -37,7 +37,7 @@ from dsec.node.resolve import ResolvedSpec, resolve_spec
 from dsec.runtime import gvisor_relay
 from dsec.runtime.agent.local import listen_socket
 from dsec.runtime.agent_build import ensure_agent_binary
-from dsec.runtime.agent_client import agent_ping, register_opener, unregister_opener
+from dsec.runtime.agent_client import agent_mark_bg_empty, agent_ping, register_opener, unregister_opener
 from dsec.runtime.oci import RuntimeSpec, build_config
 from dsec.runtime.oci_runtime import OciRuntime, kill_pid, make_runtime, pid_alive, wait_gone
 
@@ -236,6 +236,7 @@ class SandboxManager:
                                                          netstack_netns=netns)
         else:
             sock = listen_socket(p.socket)
+            agent_mark_bg_empty(p.socket)  # a new init: its background table is empty
             try:
                 pid = await self.runtime(info.isolation).run(info.id, p.bundle, sock.fileno(), p.log)
             finally:
@@ -465,7 +466,12 @@ class SandboxManager:
         changed) when the sandbox does not qualify (``recyclable``). The returned task does
         the rest; on any failure it tears both ids down and raises SandboxFailure."""
         from dsec.node import reset as rs
-        from dsec.runtime.agent_client import agent_clear_background, agent_exec, agent_forget
+        from dsec.runtime.agent_client import (
+            agent_bg_known_empty,
+            agent_clear_background,
+            agent_exec,
+            agent_forget,
+        )
 
         old = self.live_record(sandbox_id)
         why, plan = self._recycle_plan(old, spec)
@@ -475,6 +481,9 @@ class SandboxManager:
             raise Conflict(f"sandbox {sandbox_id} is being reset", sandbox_id=sandbox_id)
         info = old.info
         image, r = plan  # what the checks resolved: no second image lookup
+        # Only a background request fills the agent's table, and the host sends them all:
+        # none since the agent started (or was last cleared) means nothing to clear.
+        clear = not agent_bg_known_empty(self.paths(sandbox_id).socket)
         nid = new_sandbox_id()
         self._set_state(old, S.stopping, persist=False, error="recycled")  # retired: no call reaches it from here
         self._recycling.add(sandbox_id)
@@ -523,7 +532,9 @@ class SandboxManager:
         async def work() -> SandboxInfo:
             try:
                 times = await asyncio.get_running_loop().run_in_executor(rs.executor(self.settings.node_reset_workers), step)
-                await agent_clear_background(pn.socket)
+                agent_mark_bg_empty(pn.socket)  # before the clear: a later background request unmarks it
+                if clear:
+                    await agent_clear_background(pn.socket)
                 # One trivial exec leaves a kept-alive handler for the next tenant's first
                 # exec (connect + the agent's handler fork, ~1-1.5 ms, off its critical path).
                 # A missing `true` (exit 127) still leaves the connection kept.

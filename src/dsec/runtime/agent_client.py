@@ -185,8 +185,28 @@ def _checkin(sock_path: Path, conn: _Conn) -> bool:
     return True
 
 
+# Agent sockets whose background table is known to be empty: the host marks a new agent
+# (fresh init, or a recycled one whose table it cleared) and every background request
+# unmarks its socket before it is sent. Only the host reaches an agent's socket (it is
+# bound outside the sandbox; init got the listening fd), so a marked table is empty and a
+# recycle needs no clear request for it (issue 15). Unmarked (a background exec ran, or
+# the server restarted since the agent started): cleared as before.
+_bg_empty: set[str] = set()
+
+
+def agent_mark_bg_empty(sock_path: Path) -> None:
+    """sock_path's agent has an empty background table (it just started, or was cleared)."""
+    _bg_empty.add(str(sock_path))
+
+
+def agent_bg_known_empty(sock_path: Path) -> bool:
+    """True when no background request reached sock_path's agent since it was marked."""
+    return str(sock_path) in _bg_empty
+
+
 def agent_forget(sock_path: Path) -> None:
     """Close the idle connections kept for sock_path (its sandbox is going away)."""
+    _bg_empty.discard(str(sock_path))
     for per_loop in list(_idle.values()):
         for conn in per_loop.pop(str(sock_path), []):
             conn.close()
@@ -310,6 +330,7 @@ async def agent_background(sock_path: Path, argv: list[str], *, env: dict[str, s
                            output_path: str = "/dev/null") -> int:
     """Start argv in the background (own session, stdout+stderr appended to output_path,
     a path inside the sandbox); returns its pid once execve succeeded."""
+    _bg_empty.discard(str(sock_path))  # first, before any await: a recycle then clears the table
     request = p.encode_exec(argv, env, cwd, None, background_output=output_path)
     kind, payload, conn = await _one_shot(sock_path, request)
     if kind != b"S":

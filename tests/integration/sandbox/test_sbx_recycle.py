@@ -18,6 +18,7 @@ from sbx_helpers import cgroup_file, leftovers, sh
 from dsec.errors import Conflict, DSecError
 from dsec.models import SandboxSpec
 from dsec.node import cgroups
+from dsec.runtime import agent_client
 
 pytestmark = pytest.mark.integration
 
@@ -44,12 +45,25 @@ def _limits(sid: str) -> dict[str, str]:
         ("devices", "devices.list"), ("cpuset", "cpuset.cpus"))}
 
 
+def _count_clears(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Record each background-table clear request a recycle sends."""
+    calls: list[object] = []
+    real = agent_client.agent_clear_background
+
+    async def counted(sock: object) -> int:
+        calls.append(sock)
+        return await real(sock)  # type: ignore[arg-type]
+    monkeypatch.setattr(agent_client, "agent_clear_background", counted)
+    return calls
+
+
 async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkeypatch):
     """A hostile tenant's processes, files, env, background table and cgroup counters do
     not reach the next tenant of the recycled sandbox; the old id is retired at once;
     limits and device rules are those of a fresh create; a repeated kill of the old id while
     the recycle runs changes nothing; destroy leaves nothing of either id. The recycle
-    looks its image up once (its checks' answer is reused; issue 15: one per episode)."""
+    looks its image up once (its checks' answer is reused; issue 15: one per episode), and
+    sends the agent's table clear only when a background job was started in it."""
     member = await node.create(POOL, pooled=True)
     alice = await node.claim(member.id, POOL.model_copy(update={"env": {"SECRET": SECRET}, "labels": {"t": "a"}}),
                              "alice")
@@ -62,11 +76,12 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkey
     before, limits = _counters(alice.id), _limits(alice.id)
     assert before["memory/memory.max_usage_in_bytes"] > 40 << 20
 
+    clears = _count_clears(monkeypatch)
     images, lookups = node.manager.images, []
     resolve_fast = images.resolve_fast
-    monkeypatch.setattr(images, "resolve_fast", lambda ref: lookups.append(ref) or resolve_fast(ref))
-    done = await node.start_recycle(alice.id, POOL)  # returns once the old id is retired
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(images, "resolve_fast", lambda ref: lookups.append(ref) or resolve_fast(ref))
+        done = await node.start_recycle(alice.id, POOL)  # returns once the old id is retired
     assert lookups == [POOL.image]
     with pytest.raises(DSecError):
         await sh(node, alice.id, "true")
@@ -79,6 +94,7 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkey
         await sh(node, alice.id, "true")
     assert cgroups.sandbox_cgroup_dirs("dsec", alice.id) == []
     assert leftovers(node, alice.id) == []
+    assert len(clears) == 1  # alice started a background job: her agent's table was cleared
 
     bob = await node.claim(fresh.id, POOL.model_copy(update={"labels": {"t": "b"}}), "bob")
     r = await sh(node, bob.id, CHECK)
@@ -100,8 +116,13 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkey
     await node.write_file(bob.id, "/tmp/mine", b"bob")  # the file API works on the new root
     assert (await sh(node, bob.id, "cat /tmp/mine")).stdout == "bob"
 
-    await node.destroy(bob.id)
-    assert leftovers(node, bob.id, [bob.pid]) == []
+    # Bob never started a background job: his recycle sends no clear request (issue 15),
+    # and the next member's table is still empty.
+    carol = await (await node.start_recycle(bob.id, POOL))
+    assert len(clears) == 1
+    assert await node.processes(carol.id) == []
+    await node.destroy(carol.id)
+    assert leftovers(node, carol.id, [carol.pid]) == []
 
 
 async def test_recycle_refuses_a_sandbox_unlike_the_pool_shape(node):
