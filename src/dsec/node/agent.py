@@ -294,6 +294,8 @@ class LocalNodeAgent:
         out = []
         for rec in list(self.manager.live.values()):
             i = rec.info
+            if self.manager.retired(i.id):  # killed: the kill was answered, only its reset runs
+                continue
             if tenant is not None and i.tenant != tenant:
                 continue
             if labels and any(i.labels.get(k) != v for k, v in labels.items()):

@@ -123,6 +123,11 @@ class SandboxManager:
             raise NotFound(f"sandbox {sandbox_id} not found; list yours with `dsec ps`", sandbox_id=sandbox_id)
         return rec
 
+    def retired(self, sandbox_id: str) -> bool:
+        """The old id of a recycle in flight: its kill was answered, so listings leave it
+        out while the kernel sandbox is reset under a new id."""
+        return sandbox_id in self._recycling
+
     def live_record(self, sandbox_id: str) -> SandboxRecord:
         rec = self.get_record(sandbox_id)
         if rec.info.state not in (S.idle, S.running, S.ready):

@@ -83,6 +83,7 @@ async def test_recycled_sandbox_has_no_trace_of_the_previous_tenant(node, monkey
         m.setattr(images, "resolve_fast", lambda ref: lookups.append(ref) or resolve_fast(ref))
         done = await node.start_recycle(alice.id, POOL)  # returns once the old id is retired
     assert lookups == [POOL.image]
+    assert alice.id not in {i.id for i in await node.list()}  # killed: not listed while it is reset
     with pytest.raises(DSecError):
         await sh(node, alice.id, "true")
     await node.destroy(alice.id)  # a repeated kill while the reset runs: a no-op
