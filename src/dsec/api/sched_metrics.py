@@ -52,3 +52,22 @@ class SchedulerCollector(Collector):
         for d in pending_demand(list(sched.pending.values()), now, sched.s.cluster_demand_min_age_s):
             demand.add_metric([f"{d.cpu:g}", str(d.memory), str(d.disk), d.isolation, d.gpu or ""], float(d.count))
         yield demand
+        yield from prefetch_metrics(getattr(self.driver, "prefetcher", None))
+
+
+def prefetch_metrics(prefetcher: Any) -> Iterator[Metric]:
+    """The leader's image prefetch counters (``Prefetcher.stats``); nothing when prefetch is
+    off (no registry, or ``image_prefetch_enabled=false``)."""
+    if prefetcher is None:
+        return
+    stats = prefetcher.stats
+    jobs = CounterMetricFamily("dsec_image_prefetch_jobs", "Image prefetch jobs sent to nodes, by outcome "
+                               "(started, done, skipped: the node had or was fetching it, failed)",
+                               labels=["result"])
+    for result, key in (("started", "jobs"), ("done", "done"), ("skipped", "skipped"), ("failed", "failed")):
+        jobs.add_metric([result], float(stats.get(key, 0)))
+    yield jobs
+    moved = CounterMetricFamily("dsec_image_prefetch_bytes", "Layer bytes nodes fetched (peers or registry) "
+                                "for prefetch jobs")
+    moved.add_metric([], float(stats.get("bytes", 0)))
+    yield moved

@@ -83,8 +83,9 @@ class PoolDemand:
 
     def _size(self, peak: int) -> int:
         # Rounded, not ceiled: a shape seen once per bucket gets 1 member, not 2 (the tail of
-        # a Zipf image mix is hundreds of such shapes, each a rebuild per window).
-        return max(1, round(peak * self.factor)) if peak else 0
+        # a Zipf image mix is hundreds of such shapes, each a rebuild per window). A factor
+        # of 0 turns demand-driven pools off (declared floors still apply).
+        return max(1, round(peak * self.factor)) if peak and self.factor > 0 else 0
 
     def target(self, now: float, shape: Shape) -> int:
         """Current target of one shape (O(1)); used between full plans."""

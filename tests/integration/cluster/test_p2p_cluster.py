@@ -325,6 +325,9 @@ def test_prefetch_popular_image_then_pool_on_layer_holders(env: dict[str, Any]) 
             time.sleep(0.5)
         view = c.get("/v1/scheduler").json()["prefetch"]
         assert view["stats"]["done"] >= len(lacking), view
+        metrics = c.get("/metrics").text  # the same counters, for an operator's dashboard
+        assert f'dsec_image_prefetch_jobs_total{{result="done"}} {float(view["stats"]["done"])}' in metrics
+        assert f'dsec_image_prefetch_bytes_total {float(view["stats"]["bytes"])}' in metrics, metrics[-3000:]
         for n in lacking:
             pulls = asyncio.run(pulls_of(proxies[n], "team/pop"))
             assert [(p.prefetch, p.state) for p in pulls] == [(True, "done")], pulls

@@ -237,6 +237,35 @@ async def test_component_counters_exported(env: Env) -> None:
     assert "dsec_leaks_reaped_total 3.0" in text
 
 
+def test_prefetch_counters_exported_only_when_prefetch_runs() -> None:
+    """The leader's prefetch jobs by outcome and the bytes they moved are Prometheus
+    counters; a server without a prefetcher exports none of them."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dsec.api.sched_metrics import prefetch_metrics
+
+    class One:
+        def __init__(self, prefetcher: object) -> None:
+            self.prefetcher = prefetcher
+
+        def collect(self):  # type: ignore[no-untyped-def]
+            return prefetch_metrics(self.prefetcher)
+
+    r = CollectorRegistry()
+    r.register(One(SimpleNamespace(stats={"passes": 4, "jobs": 3, "done": 2, "failed": 1, "skipped": 0,
+                                          "bytes": 171_000_000})))
+    text = generate_latest(r).decode()
+    assert 'dsec_image_prefetch_jobs_total{result="started"} 3.0' in text
+    assert 'dsec_image_prefetch_jobs_total{result="done"} 2.0' in text
+    assert 'dsec_image_prefetch_jobs_total{result="failed"} 1.0' in text
+    assert "dsec_image_prefetch_bytes_total 1.71e+08" in text
+    r2 = CollectorRegistry()
+    r2.register(One(None))
+    assert "prefetch" not in generate_latest(r2).decode()
+
+
 async def test_grafana_dashboard_uses_exported_metrics(env: Env) -> None:
     """Every metric the shipped Grafana dashboard queries is one the server actually exports."""
     import re

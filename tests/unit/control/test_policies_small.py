@@ -107,6 +107,17 @@ def test_pool_target_is_peak_times_factor() -> None:
     assert d.targets(200.0) == {}
 
 
+def test_pool_factor_zero_turns_demand_pools_off_but_keeps_floors() -> None:
+    """warm_pool_factor=0 means no demand-driven members (it gave 1 per shape seen); an
+    operator's declared floor still holds."""
+    d = PoolDemand(settings(warm_pool_factor=0.0))
+    for i in range(10):
+        d.observe(1.0 + i * 0.1, SHAPE, "t")
+    assert not any(d.targets(2.0).values()) and d.target(2.0, SHAPE) == 0
+    d.set_floor(SHAPE, 2)
+    assert d.target(2.0, SHAPE) == 2
+
+
 def test_pool_demand_bounded_per_tenant_and_total() -> None:
     """One tenant's demand counts at most warm_pool_max_per_tenant; the total is capped."""
     d = PoolDemand(settings(warm_pool_max_per_tenant=2, warm_pool_factor=1.0, warm_pool_max_total=3))
