@@ -57,10 +57,11 @@ async def test_tenant_quota_counts_sandboxes_on_every_node(cluster: dict[str, An
     refused naming the quota (the listing admission counts is the cluster's)."""
     svc = cluster["services"].sandboxes
     alice = await _tenant(cluster["services"], "alice", max_sandboxes=3)
-    infos = [await svc.create(alice, SMALL) for _ in range(3)]
-    assert {i.node for i in infos} == {"a", "b"}  # the scheduler spreads them
+    mid = SandboxSpec(image="busybox", cpu=0.5, memory="16G", disk="64M")  # a node (32 GiB x 1.3) holds two
+    infos = [await svc.create(alice, mid) for _ in range(3)]
+    assert {i.node for i in infos} == {"a", "b"}  # on both nodes
     with pytest.raises(errors.QuotaExceeded) as e:
-        await svc.create(alice, SMALL)
+        await svc.create(alice, SMALL)  # b has room for it: only the quota refuses
     assert e.value.details["quota"] == "max_sandboxes" and e.value.details["in_use"] == 3
 
 
