@@ -228,7 +228,7 @@ class UsageLedger:
 
     def _fold(self, e: _Entry, c: Counters) -> None:
         t0 = e.acc.last.t if e.acc.last is not None else c.t
-        cpu, mem, written = advance(e.acc, c)
+        cpu, mem, written = advance(e.acc, c, ramp_s=self.settings.usage_sample_interval_s)
         for i, v in enumerate((cpu, mem, 0.0, float(written), max(0.0, c.t - t0))):
             self.collector.add(e.prom, i, v)
 

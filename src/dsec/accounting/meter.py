@@ -45,12 +45,16 @@ def counter_delta(prev: int | None, now: int | None) -> int:
     return now - prev if now >= prev else now
 
 
-def advance(acc: Accum, now: Counters) -> tuple[float, float, int]:
+def advance(acc: Accum, now: Counters, ramp_s: float | None = None) -> tuple[float, float, int]:
     """Fold sample ``now`` into ``acc``; returns the (cpu s, GiB s, bytes) it added.
 
     Memory: trapezoid between samples (both readable) — a steady sandbox is exact, a
-    changing one is off by at most the change within one interval. Bytes written: growth
-    of the writable layer's used space (a shrink is not negative writing)."""
+    changing one is off by at most the change within one interval. ``ramp_s``: the
+    sampling interval of a busy sandbox. An idle one is sampled less often (it was steady
+    at the last reading, and a command brings it back to ``ramp_s`` at once), so a longer
+    gap holds the last reading and ramps only over its final ``ramp_s``: a 30 s idle gap
+    ended by a burst is not billed as 30 s of half the burst. Bytes written: growth of the
+    writable layer's used space (a shrink is not negative writing)."""
     prev = acc.last
     if prev is None:
         acc.last = now
@@ -62,7 +66,8 @@ def advance(acc: Accum, now: Counters) -> tuple[float, float, int]:
     cpu = counter_delta(prev.cpu_ns, now.cpu_ns) / 1e9
     dt = max(0.0, now.t - prev.t)
     if prev.memory is not None and now.memory is not None:
-        mem = (prev.memory + now.memory) / 2 * dt / GIB
+        ramp = dt if ramp_s is None else min(dt, ramp_s)
+        mem = (prev.memory * (dt - ramp) + (prev.memory + now.memory) / 2 * ramp) / GIB
     elif now.memory is not None or prev.memory is not None:
         mem = (now.memory if now.memory is not None else prev.memory or 0) * dt / GIB
     else:

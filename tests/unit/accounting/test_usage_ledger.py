@@ -18,6 +18,8 @@ from dsec.errors import InvalidArgument, NotFound, QuotaExceeded
 from dsec.models.usage import GIB, LabelQuota, SandboxUsage
 from dsec.state.store import TenantRecord
 
+MIB = 1 << 20
+
 
 def test_advance_integrates_memory_and_counts_growth_only() -> None:
     """First sample is the baseline; CPU is the counter delta; memory the trapezoid; bytes
@@ -32,6 +34,19 @@ def test_advance_integrates_memory_and_counts_growth_only() -> None:
     # A final sample with the cpu cgroup already gone keeps the last reading as baseline.
     advance(acc, Counters(t=4.0, cpu_ns=None, memory=None, disk_used=None))
     assert acc.last is not None and acc.last.cpu_ns == 6_500_000_000
+
+
+def test_a_long_idle_gap_ramps_memory_only_over_the_last_interval() -> None:
+    """An idle sandbox is sampled up to 30 s apart; a command at the end of such a gap
+    brings it back to the 1 s interval. Its burst is billed over that last second, not as
+    half the burst for the whole gap (that was ~9x too much); a gap no longer than the
+    interval is still the plain trapezoid."""
+    acc = Accum()
+    advance(acc, Counters(t=0.0, cpu_ns=0, memory=10 * MIB, disk_used=0), ramp_s=1.0)
+    _, mem, _ = advance(acc, Counters(t=26.0, cpu_ns=1, memory=510 * MIB, disk_used=0), ramp_s=1.0)
+    assert mem * GIB == pytest.approx(10 * MIB * 25 + 260 * MIB * 1)
+    _, mem, _ = advance(acc, Counters(t=26.5, cpu_ns=2, memory=110 * MIB, disk_used=0), ramp_s=1.0)
+    assert mem * GIB == pytest.approx((510 + 110) / 2 * MIB * 0.5)
 
 
 def test_a_stale_sample_is_ignored() -> None:
