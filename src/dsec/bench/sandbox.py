@@ -97,9 +97,11 @@ class _RuncShare:
         rt.run = timed_run  # type: ignore[method-assign]  # this bench's agent only
 
     def ready(self, sandbox_id: str) -> None:
-        usage = Path("/sys/fs/cgroup/cpuacct") / self.agent.manager.cgroup_parent / sandbox_id / "cpuacct.usage"
-        with contextlib.suppress(OSError, ValueError):  # no v1 cpuacct: not reported
-            self.sandbox_cpu.append(int(usage.read_text()) / 1e9)
+        from dsec.node.usage import cgroup_cpu_seconds
+
+        with contextlib.suppress(OSError, ValueError):  # no CPU accounting: not reported
+            if (secs := cgroup_cpu_seconds(self.agent.manager.cgroup_parent, sandbox_id)) is not None:
+                self.sandbox_cpu.append(secs)
 
     def report(self) -> dict[str, Any]:
         return {"runc_run_d": _summary(self.wall), "runc_host_cpu": _summary(self.host_cpu),

@@ -50,6 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsec.node.usage import parse_proc_stat, read_cgroup_cpu_ns
+
 ROWS = ("warm", "sdk", "gvisor", "density", "episodes", "cold")
 EPISODE_SHAPE = {"image": "busybox", "cpu": 0.25, "memory": "64M", "disk": "64M", "timeout": 600}
 IDLE_SHAPE = {"image": "busybox", "cpu": 0.1, "memory": "16M", "timeout": 3600}
@@ -306,15 +308,16 @@ def _proc_cpu_s(pid: int) -> tuple[float, float]:
 def _machine_busy_s() -> float:
     """CPU seconds the whole machine was busy (every core, every process, the kernel)."""
     with open("/proc/stat") as fh:
-        xs = [int(x) for x in fh.readline().split()[1:]]
-    return (sum(xs[:8]) - xs[3] - xs[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+        total, idle = parse_proc_stat(fh.read())  # idle includes iowait
+    return (total - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _cgroup_cpu_s(parent: str) -> float | None:
     try:
-        return int((Path("/sys/fs/cgroup/cpuacct") / parent / "cpuacct.usage").read_text()) / 1e9
+        ns = read_cgroup_cpu_ns(parent)
     except (OSError, ValueError):
         return None
+    return None if ns is None else ns / 1e9
 
 
 def _cpu_sample(server_pid: int, cgroup_parent: str) -> dict[str, float | None]:
@@ -434,8 +437,8 @@ async def _episodes(seconds: float, workers: int, progress: Callable[[str], None
                     "peak_cpu_fraction_of_bound": round(peak["ratio"], 3),
                     "within_bound": peak["ratio"] <= 1.0}
             stats = (await http.get("/v1/scheduler")).json()["stats"]
-            for k, name in (("warm_hits", "warm_hits"), ("warm_misses", "warm_misses"), ("recycled", "recycled")):
-                out[name] = (stats.get(k) or 0) - (stats0.get(k) or 0)  # in the timed window
+            for k in ("warm_hits", "warm_misses", "recycled"):
+                out[k] = (stats.get(k) or 0) - (stats0.get(k) or 0)  # in the timed window
             out["warmup_s"] = warmup_s
             progress(f"episodes: {out['per_s']}/s")
     finally:

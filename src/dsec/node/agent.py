@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.config import Settings
-from dsec.errors import DSecError, InvalidArgument
+from dsec.errors import InvalidArgument
 from dsec.models import BackgroundProcess, ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 from dsec.node.api import (
     CheckpointInfo,
@@ -155,8 +155,7 @@ class LocalNodeAgent:
         sock = self._agent_sock(sandbox_id, rec) if rec is not None else None
         if sock is None:
             return
-        with contextlib.suppress(DSecError, OSError):
-            await ac.agent_exec(sock, ["true"], env={}, cwd="/", timeout=5.0, max_output=0)
+        await ac.agent_prime(sock)
 
     async def _same_create(self, sandbox_id: str, tenant: str | None) -> SandboxInfo:
         """A create for an id this node already holds is the same create sent twice (a

@@ -10,7 +10,6 @@ can adopt what is healthy and clean the rest, and then sweeps orphans nobody rec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -422,17 +421,13 @@ class SandboxManager:
             self.counters[key] = self.counters.get(key, 0) + 1
             return self.info(rec)
 
-    def recyclable(self, rec: SandboxRecord, spec: SandboxSpec) -> str | None:
-        """Why this sandbox cannot become a pool member of ``spec`` (None: it can). Only a
-        container-tier sandbox without a network slot whose kernel limits, image and root
-        (no clone or checkpoint layers) are exactly what a fresh create of ``spec`` gets."""
-        why, _ = self._recycle_plan(rec, spec)
-        return why
-
     def _recycle_plan(self, rec: SandboxRecord, spec: SandboxSpec
                       ) -> tuple[str | None, tuple[ImageInfo, ResolvedSpec] | None]:
-        """``recyclable``'s answer, with the image and resolved spec it checked against
-        when it qualifies (the recycle uses them: one image lookup per kill, issue 15)."""
+        """Why this sandbox cannot become a pool member of ``spec`` (None: it can), with the
+        image and resolved spec it checked against when it can (the recycle uses them: one
+        image lookup per kill, issue 15). Only a container-tier sandbox without a network
+        slot whose kernel limits, image and root (no clone or checkpoint layers) are exactly
+        what a fresh create of ``spec`` gets."""
         info = rec.info
         if info.isolation != "container" or spec.isolation not in (None, "container"):
             return "not the container tier", None
@@ -468,14 +463,14 @@ class SandboxManager:
 
         Synchronous part (before this returns): the checks, and the old id is retired:
         every later call naming it gets a Conflict/NotFound. Raises Conflict (nothing
-        changed) when the sandbox does not qualify (``recyclable``). The returned task does
+        changed) when the sandbox does not qualify (``_recycle_plan``). The returned task does
         the rest; on any failure it tears both ids down and raises SandboxFailure."""
         from dsec.node import reset as rs
         from dsec.runtime.agent_client import (
             agent_bg_known_empty,
             agent_clear_background,
-            agent_exec,
             agent_forget,
+            agent_prime,
         )
 
         old = self.live_record(sandbox_id)
@@ -499,7 +494,7 @@ class SandboxManager:
             labels=spec.labels, tenant=None, node=info.node, created_at=now, pid=info.pid),
             spec=spec, env=r.env, workdir=r.workdir, cgroup_parent=old.cgroup_parent)
         # Both ids in one commit, before any rename: a crash leaves both for reconcile to clean.
-        self.records.put_many([_persistable(old), new])
+        self.records.put_many([old, new])
         self.live[nid] = new
         po, pn = self.paths(sandbox_id), self.paths(nid)
         rt = self.runtime("container")
@@ -540,11 +535,7 @@ class SandboxManager:
                 agent_mark_bg_empty(pn.socket)  # before the clear: a later background request unmarks it
                 if clear:
                     await agent_clear_background(pn.socket)
-                # One trivial exec leaves a kept-alive handler for the next tenant's first
-                # exec (connect + the agent's handler fork, ~1-1.5 ms, off its critical path).
-                # A missing `true` (exit 127) still leaves the connection kept.
-                with contextlib.suppress(DSecError, OSError):
-                    await agent_exec(pn.socket, ["true"], env={}, cwd="/", timeout=5.0, max_output=0)
+                await agent_prime(pn.socket)
             except BaseException as e:
                 reason = e.message if isinstance(e, DSecError) else f"{type(e).__name__}: {e}"
                 log.warning("recycling %s failed (%s): tearing it down", sandbox_id, reason)

@@ -315,6 +315,15 @@ async def agent_exec(sock_path: Path, argv: list[str], *, env: dict[str, str], c
     raise SandboxFailure(f"exec agent at socket {sock_path} ended the stream without an exit frame")
 
 
+async def agent_prime(sock_path: Path) -> None:
+    """One trivial exec that leaves a kept-alive handler (its fork already done) for the
+    next first exec into a new or recycled pool member: that exec skips the connect and
+    the fork, ~1-1.5 ms of a warm hand-over (issue 15). Best effort: a missing `true`
+    (exit 127) still leaves the connection kept, and a failure only costs that saving."""
+    with contextlib.suppress(DSecError, OSError):
+        await agent_exec(sock_path, ["true"], env={}, cwd="/", timeout=5.0, max_output=0)
+
+
 async def _one_shot(sock_path: Path, request: bytes) -> tuple[bytes, bytes, _Conn]:
     conn = await _Conn.open(sock_path)
     try:

@@ -7,7 +7,7 @@ and memory burnt (cgroup counters and peaks). After the recycle the next tenant'
 must show none of it: no process, no file, no env, a hostname that is its own id, an
 empty background table, zeroed cgroup counters (CPU time, memory peak, failcnt), and the
 same limits and device rules as a fresh create. The old id is dead at once. Container tier only: gVisor pool shapes and
-networked shapes are torn down as before (``SandboxManager.recyclable``).
+networked shapes are torn down as before (``SandboxManager._recycle_plan``).
 """
 
 from __future__ import annotations
