@@ -181,7 +181,8 @@ class NodeGc:
         now = time.time() if now is None else now
         used = self.publish_use()
         images = self.store.list()
-        self._publish_layers()
+        mine = self.node_images()  # one read per pass (each image: a manifest query, a look at every layer)
+        self._publish_layers(mine)
         for d in used:  # in use now counts as wanted now
             self.dir.asked(d, now)
         # This node's own record of when it last used (or got) each image's blobs: a stock
@@ -195,7 +196,7 @@ class NodeGc:
                     wanted[d] = t
         drop = plan(self.view(), now, self.s.image_base_layer_min_copies, self.s.image_gc_unused_s).get(self.node, set())
         drop -= used
-        if not drop and all(i.complete for i in self.node_images()):
+        if not drop and all(i.complete for i in mine):
             return []
         return self._drop(drop)
 
@@ -214,10 +215,10 @@ class NodeGc:
                              for li in info.layers)))
         return out
 
-    def _publish_layers(self) -> None:
+    def _publish_layers(self, mine: list[NodeImage] | None = None) -> None:
         raw = self.dir.kv.get(_IMG + self.node)
         prev = json.loads(raw) if raw else {}
-        doc = published(self.node_images(), set(self.store.content.all_digests()), prev)
+        doc = published(self.node_images() if mine is None else mine, set(self.store.content.all_digests()), prev)
         self.dir.kv.put(_IMG + self.node, json.dumps(doc), True)
 
     def _drop(self, drop: set[str]) -> list[str]:

@@ -161,6 +161,12 @@ class OursPolicy:
             out.append(nl[int(rnd() * n)])
         return out
 
+    def score(self, node: Node, miss: int, total: int) -> float:
+        """A node's score for an image of ``total`` bytes it misses ``miss`` of (higher is
+        better). ``choose`` inlines this formula in its hot loop: change both together."""
+        return (self.wl * (1.0 - miss / total) - self.wload * (node.used_cpu / node.cpu)
+                - self.wp * node.predicted - self.spread * node.batch_load)
+
     def choose(self, req: Request, image: Image, cluster: ClusterView,
                rng: random.Random) -> tuple[Node, int] | None:
         total = image.total_bytes or 1
@@ -192,7 +198,7 @@ class OursPolicy:
                 for d, sz in layers:
                     if d not in have:
                         miss += sz
-            score = (wl * (1.0 - miss / total) - wload * (node.used_cpu / node.cpu)
+            score = (wl * (1.0 - miss / total) - wload * (node.used_cpu / node.cpu)  # = self.score(), inlined
                      - wp * node.predicted - spread * node.batch_load)
             if score > best_s:
                 best, best_s, best_m = node, score, miss
@@ -216,9 +222,7 @@ def rank(policy: OursPolicy, req: Request, image: Image, cluster: ClusterView) -
         if not _eligible(node, req, policy.ratio, policy.threshold):
             continue
         miss = missing_bytes(node, image)
-        score = (policy.wl * (1.0 - miss / total) - policy.wload * (node.used_cpu / node.cpu)
-                 - policy.wp * node.predicted - policy.spread * node.batch_load)
-        scored.append((miss <= near, score, node.node_id, node, miss))
+        scored.append((miss <= near, policy.score(node, miss, total), node.node_id, node, miss))
     # Ties broken by node id, so the answer does not depend on the node list's order.
     scored.sort(key=lambda t: (not t[0], -t[1], t[2]))
     return [(node, miss) for _, _, _, node, miss in scored]

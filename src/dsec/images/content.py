@@ -61,8 +61,10 @@ class Inflight:
 
 class BlobWriter:
     """A blob being written; ``commit()`` hashes, fsyncs and renames it into place.
-    With ``expect`` (digest, size) the partial file is published as ``Inflight`` while it
-    is written (cut-through serving to peers); nothing about the commit changes."""
+    With ``expect`` (digest, size), on a node that serves partial blobs to peers (the store
+    has ``on_receiving``), the partial file is published as ``Inflight`` while it is
+    written (cut-through); elsewhere no one could read it, so a pull pays no flush per
+    chunk. Nothing about the commit changes."""
 
     def __init__(self, store: ContentStore, expect: tuple[str, int] | None = None) -> None:
         self._store = store
@@ -71,7 +73,7 @@ class BlobWriter:
         self._fh = os.fdopen(fd, "wb")
         self._hw = HashingWriter(self._fh)
         self.inflight: Inflight | None = None
-        if expect is not None:
+        if expect is not None and store.on_receiving is not None:
             self.inflight = store._receiving(Inflight(expect[0], expect[1], self.tmp))
 
     def write(self, data: bytes) -> int:

@@ -10,6 +10,8 @@ opens) is not. Each group below says why it is open.
 
 from __future__ import annotations
 
+import errno
+
 from typing import Any
 
 # Process lifetime, threads and signals: every runtime needs these.
@@ -112,7 +114,7 @@ def seccomp_profile() -> dict[str, Any]:
         {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
          "args": [{"index": 0, "value": _CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]},
         # clone3 passes flags in memory seccomp cannot read; ENOSYS makes libc fall back to clone.
-        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
     ]
     syscalls += [
         {"names": ["personality"], "action": "SCMP_ACT_ALLOW",
@@ -121,16 +123,10 @@ def seccomp_profile() -> dict[str, Any]:
     ]
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
-        "defaultErrnoRet": 1,
+        "defaultErrnoRet": errno.EPERM,
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": syscalls,
     }
-
-
-# Syscall numbers above the largest one the profile names answer ENOSYS, not EPERM: what
-# runc's filter does (its stub), so libc's fallbacks for syscalls newer than the profile
-# (e.g. fchmodat2 -> fchmodat) keep working.
-ENOSYS = 38
 
 
 def init_profile_header() -> str:
@@ -152,7 +148,10 @@ def init_profile_header() -> str:
               "static const unsigned int profile_personality[] = {"
               + ", ".join(f"{v:#x}u" for v in _PERSONALITY_OK) + "};",
               f"#define PROFILE_CLONE_NS_FLAGS {_CLONE_NAMESPACE_FLAGS:#x}u",
-              "#define PROFILE_DEFAULT_ERRNO 1  /* defaultErrnoRet: EPERM */",
-              f"#define PROFILE_CLONE3_ERRNO {ENOSYS}",
-              f"#define PROFILE_NEWER_ERRNO {ENOSYS}", ""]
+              f"#define PROFILE_DEFAULT_ERRNO {errno.EPERM}  /* defaultErrnoRet: EPERM */",
+              f"#define PROFILE_CLONE3_ERRNO {errno.ENOSYS}",
+              # Syscall numbers above the largest one the profile names answer ENOSYS, not EPERM:
+              # what runc's filter does (its stub), so libc's fallbacks for syscalls newer than
+              # the profile (e.g. fchmodat2 -> fchmodat) keep working.
+              f"#define PROFILE_NEWER_ERRNO {errno.ENOSYS}", ""]
     return "\n".join(lines)
