@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.models.usage import GIB
+from dsec.node.usage import parse_int, read_cgroup_cpu_ns, read_small_file
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -99,45 +100,15 @@ def next_interval(prev: Counters | None, now: Counters, interval: float, base: f
     return min(cap, max(base, interval * 2))
 
 
-def _read_file(path: str) -> bytes | None:
-    """A small cgroup/proc file, with plain os calls: this runs for every sampled sandbox
-    in a worker thread, and pathlib's objects cost ~6x the syscalls in held GIL time."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _int(data: bytes | None) -> int | None:
-    try:
-        return int(data) if data is not None else None
-    except ValueError:
-        return None
-
-
 def read_cpu_ns(parent: str, sandbox_id: str, root: Path = CGROUP_ROOT) -> int | None:
     """CPU time (ns) of one sandbox's cgroup: v1 cpuacct.usage, else v2 cpu.stat usage_usec."""
-    got = _int(_read_file(f"{root}/cpuacct/{parent}/{sandbox_id}/cpuacct.usage"))
-    if got is not None:
-        return got
-    stat = _read_file(f"{root}/{parent}/{sandbox_id}/cpu.stat")
-    for line in (stat or b"").splitlines():
-        if line.startswith(b"usage_usec "):
-            usec = _int(line.split()[1])
-            return usec * 1000 if usec is not None else None
-    return None
+    return read_cgroup_cpu_ns(f"{parent}/{sandbox_id}", root)
 
 
 def read_memory(parent: str, sandbox_id: str, root: Path = CGROUP_ROOT) -> int | None:
     """Current memory cgroup usage in bytes (v1 memory.usage_in_bytes, v2 memory.current)."""
-    got = _int(_read_file(f"{root}/memory/{parent}/{sandbox_id}/memory.usage_in_bytes"))
-    return got if got is not None else _int(_read_file(f"{root}/{parent}/{sandbox_id}/memory.current"))
+    got = parse_int(read_small_file(f"{root}/memory/{parent}/{sandbox_id}/memory.usage_in_bytes"))
+    return got if got is not None else parse_int(read_small_file(f"{root}/{parent}/{sandbox_id}/memory.current"))
 
 
 def read_disk_used(scratch: Path) -> int | None:
