@@ -108,7 +108,9 @@ def read_cpu_ns(parent: str, sandbox_id: str, root: Path = CGROUP_ROOT) -> int |
 def read_memory(parent: str, sandbox_id: str, root: Path = CGROUP_ROOT) -> int | None:
     """Current memory cgroup usage in bytes (v1 memory.usage_in_bytes, v2 memory.current)."""
     got = parse_int(read_small_file(f"{root}/memory/{parent}/{sandbox_id}/memory.usage_in_bytes"))
-    return got if got is not None else parse_int(read_small_file(f"{root}/{parent}/{sandbox_id}/memory.current"))
+    if got is not None:
+        return got
+    return parse_int(read_small_file(f"{root}/{parent}/{sandbox_id}/memory.current"))
 
 
 def read_disk_used(scratch: Path) -> int | None:
