@@ -227,8 +227,8 @@ async def test_async_sdk_lifecycle_commands_and_files(server: Server, env: dict[
         # As in E2B a command outlives its client's stream: connect() re-attaches, kill() ends it.
         h = await sb.commands.run("sleep 0.5; echo on > /tmp/flag; sleep 60", background=True)
         await h.disconnect()
-        for _ in range(100):
-            if await sb.files.exists("/tmp/flag"):
+        for _ in range(100):  # the shell creates the file before echo writes to it
+            if await sb.files.exists("/tmp/flag") and await sb.files.read("/tmp/flag") == "on\n":
                 break
             await asyncio.sleep(0.05)
         assert await sb.files.read("/tmp/flag") == "on\n"

@@ -32,8 +32,9 @@ def test_sync_reset_wipes_and_reuses(server: Server) -> None:
 
 
 def test_async_reset_and_median(server: Server) -> None:
-    """AsyncSandbox.reset works the same; the end-to-end median through HTTP is printed
-    (bench figure) and bounded loosely here so a fallback to a slow restart fails."""
+    """AsyncSandbox.reset works the same, again and again; the end-to-end median through
+    HTTP is printed (a bench figure; that the node resets in place, not by a restart, is
+    test_sbx_reset's counter check)."""
     async def run() -> list[float]:
         async with AsyncClient(server.url, server.token) as c:
             sb = await AsyncSandbox.create(image="busybox", cpu=0.5, memory="128M", client=c)
@@ -49,7 +50,6 @@ def test_async_reset_and_median(server: Server) -> None:
 
     times = asyncio.run(run())
     print(f"reset through HTTP: median {statistics.median(times) * 1000:.2f} ms")
-    assert statistics.median(times) < 0.03, times
 
 
 def test_reset_of_foreign_or_unknown_sandbox_is_404(server: Server) -> None:

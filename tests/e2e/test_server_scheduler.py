@@ -171,8 +171,9 @@ def test_preemption_checkpoints_victim_and_resumes_it_under_the_same_id(small_no
 
 @pytest.fixture(scope="module")
 def leasy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server with a short lease window (0.5 s heartbeats, reaped after 2 misses)."""
-    with running_server(tmp_path_factory, "dsec-lease", {"DSEC_HEARTBEAT_INTERVAL_S": "0.5", "DSEC_HEARTBEAT_MISSES": "2",
+    """A server with a short lease window (0.5 s heartbeats, reaped after 4 misses: 2 s, so
+    a stalled server on a loaded box does not reap a renewed lease)."""
+    with running_server(tmp_path_factory, "dsec-lease", {"DSEC_HEARTBEAT_INTERVAL_S": "0.5", "DSEC_HEARTBEAT_MISSES": "4",
                                                          "DSEC_REAPER_INTERVAL_S": "0.1"}) as s:
         yield s
 
@@ -187,7 +188,7 @@ def test_lease_keeps_sandboxes_alive_and_release_kills_them(leasy: Server) -> No
     with dsec.Client(url=leasy.url, token=leasy.token) as client:
         with dsec.Lease("run-live", client=client) as lease:
             sb = dsec.Sandbox.create(image="busybox", cpu=0.25, memory="32M", owner="run-live", client=client)
-            time.sleep(3)  # three reap windows
+            time.sleep(4.5)  # two reap windows and more
             assert sb.exec("echo alive").stdout == "alive\n"
         assert lease.released == [sb.id]
         assert all(s.id != sb.id for s in dsec.Sandbox.list(client=client))
@@ -197,7 +198,7 @@ def test_silent_owner_is_reaped_and_audited(leasy: Server) -> None:
     """A trainer that stops renewing (crashed) loses its sandboxes after the window; the
     sandbox's audit log says why."""
     with httpx.Client(base_url=leasy.url, headers=_auth(leasy), timeout=60) as c:
-        assert c.post("/v1/leases/run-dead/heartbeat").json()["reap_after_s"] == 1.0
+        assert c.post("/v1/leases/run-dead/heartbeat").json()["reap_after_s"] == 2.0
         sb = c.post("/v1/sandboxes", json={**SMALL, "owner": "run-dead"}).json()
         other = c.post("/v1/sandboxes", json=SMALL).json()  # no owner: only its TTL applies
         for _ in range(100):

@@ -324,9 +324,15 @@ def test_prefetch_popular_image_then_pool_on_layer_holders(env: dict[str, Any]) 
             st = c.get("/v1/scheduler").json()
             assert time.monotonic() < deadline, (lacking, seen, st["prefetch"], st["nodes"])
             time.sleep(0.5)
-        view = c.get("/v1/scheduler").json()["prefetch"]
+        # The node holds the image before the leader has counted the job done (after the
+        # Ray reply), and a job may finish between two reads: read until they agree.
+        for _ in range(100):
+            view = c.get("/v1/scheduler").json()["prefetch"]
+            metrics = c.get("/metrics").text  # the same counters, for an operator's dashboard
+            if view["stats"]["done"] >= len(lacking) and view == c.get("/v1/scheduler").json()["prefetch"]:
+                break
+            time.sleep(0.1)
         assert view["stats"]["done"] >= len(lacking), view
-        metrics = c.get("/metrics").text  # the same counters, for an operator's dashboard
 
         def sample(series: str) -> float | None:
             m = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.MULTILINE)

@@ -89,15 +89,18 @@ async def test_cpu_used_reads_the_sandbox_cgroup(driver) -> None:  # type: ignor
     parent = node.manager.cgroup_parent
     info = await d.create(small(labels={"task": "spin"}), f"sb-cpu-{os.getpid()}", "t1")
     before = cgroup_cpu_seconds(parent, info.id)
-    r = await node.exec(info.id, ExecRequest(cmd="i=0; while [ $i -lt 1000000 ]; do i=$((i+1)); done", timeout=120))
+    # Spin for 1-2 s of wall time (whole seconds of /proc/uptime, read by the shell's
+    # builtin: no fork per turn), whatever the CPU's speed.
+    spin = ("read t _ </proc/uptime; end=$((${t%.*}+2)); "
+            "while :; do read t _ </proc/uptime; [ ${t%.*} -ge $end ] && break; done")
+    r = await node.exec(info.id, ExecRequest(cmd=spin, timeout=120))
     assert r.exit_code == 0
     after = cgroup_cpu_seconds(parent, info.id)
-    assert before is not None and after is not None and after - before > 0.5
+    assert before is not None and after is not None and after - before > 0.05
     used = await node.cpu_used(info.id)
     # CFS enforces the 0.5 cap per 100 ms period, so over a life of W seconds the mean can
-    # reach 0.5 + 0.05 / W (one period's quota at each end of the window). The work is
-    # ~0.8 s of CPU, hence W >= ~1.6 s and a mean <= ~0.53; a 0.1 s spin (as before) could
-    # legitimately show ~1.0 and made the bound flaky.
+    # reach 0.5 + 0.05 / W (one period's quota at each end of the window): W >= 1 s here,
+    # so <= 0.55. (A 0.1 s spin, as before, could legitimately average ~1.0: CI flaked.)
     assert used is not None and 0 < used <= 0.6
     await d.release(info.id)
     assert await node.cpu_used(info.id) is None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import time
 import uuid
@@ -106,16 +108,23 @@ def test_connection_limit_per_sandbox(lab: Lab, sandboxes, sandbox_exec) -> None
     _, neighbour = sandboxes([f"{lab.a.addr}:8000"])
     script = "; ".join(f"(busybox nc -w 6 {lab.a.addr} 8002 </dev/null &); sleep 0.05" for _ in range(10))
     held = subprocess.Popen(["nsenter", f"--net={att.netns_path}", "sh", "-c", script + "; sleep 2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert held.stdout is not None
     try:
-        time.sleep(1.0)
+        # Probe once the quota is really taken (the server answers "held" at once and keeps
+        # each connection 4 s): on a loaded box the 6th nc may start late, and a probe
+        # before it would take its slot.
+        out, end = b"", time.monotonic() + 3.0
+        while out.count(b"held") < lab.settings.net_max_connections and time.monotonic() < end:
+            if select.select([held.stdout], [], [], 0.1)[0]:
+                out += os.read(held.stdout.fileno(), 4096)
         assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
         assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
-        out, _ = held.communicate(timeout=15)
+        out += held.communicate(timeout=15)[0]
     finally:
         if held.poll() is None:
             held.kill()
-    assert out.count("held") == lab.settings.net_max_connections
+    assert out.count(b"held") == lab.settings.net_max_connections
 
 
 @pytest.mark.gvisor
@@ -155,10 +164,16 @@ def test_connection_limit_gvisor(lab: Lab, sandboxes, sandbox_exec) -> None:
     hold = "; ".join(f"(nc -w 6 {lab.a.addr} 8002 </dev/null >/tmp/held.{i} 2>&1 &); sleep 0.05"
                      for i in range(10))
     assert sandbox_exec(att, ["sh", "-c", hold], 20.0).returncode == 0
-    time.sleep(1.0)
+    # The server answers "held" at once and keeps each connection 4 s: probe once the
+    # quota is really taken (a probe before the last nc connects would take its slot).
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        got = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
+        if got.count("held") >= lab.settings.net_max_connections:
+            break
+        time.sleep(0.1)
     assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
     assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
-    # The server answers "held" at once and keeps each connection 4 s.
     out = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
     assert out.count("held") == lab.settings.net_max_connections
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,3 +46,15 @@ async def make_env(tmp_path: Path, **over: object) -> Env:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dsec", headers=headers)
 
     return Env(services, node, client(admin_tok), client(alice_tok), client(bob_tok), client(None), alice_tok)
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Wait (real time: state writes hop to the store's thread, and a loaded box is slow)
+    until ``cond`` holds; the caller's assert then says what was expected."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        got = cond()
+        if await got if isinstance(got, Awaitable) else got:
+            return
+        await asyncio.sleep(0.005)

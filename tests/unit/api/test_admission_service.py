@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from api_env import Env
+from api_env import Env, until
 
 from dsec.errors import QuotaExceeded, SandboxFailure
 from dsec.models import SandboxInfo, SandboxSpec
@@ -55,7 +55,7 @@ async def test_cancelled_caller_keeps_its_reservation_until_the_creation_settles
     alice = await _alice(env)
     a = asyncio.create_task(svc.create(alice, SPEC))
     b = asyncio.create_task(svc.create(alice, SPEC))
-    await _settle()
+    await until(lambda: gate.started == 2)
     assert gate.started == 2
     a.cancel()
     await _settle()
@@ -64,7 +64,11 @@ async def test_cancelled_caller_keeps_its_reservation_until_the_creation_settles
     assert e.value.details["quota"] == "max_sandboxes" and e.value.details["in_use"] == 2
     gate.open.set()
     info_b = await b
-    await _settle()
+
+    async def both_built() -> bool:
+        return len(await env.node.list(tenant="alice")) == 2
+
+    await until(both_built)
     live = await env.node.list(tenant="alice")
     assert len(live) == 2  # the cancelled caller's sandbox was built all the same
     with pytest.raises(QuotaExceeded, match="max_sandboxes"):

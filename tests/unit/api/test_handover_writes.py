@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from api_env import Env
+from api_env import Env, until
 
 from dsec.errors import NotFound
 from dsec.models import SandboxInfo, SandboxSpec
@@ -70,8 +70,7 @@ async def test_a_tenants_creates_do_not_queue_behind_each_others_state_writes(en
     alice = await env.services.auth.authenticate(f"Bearer {env.alice_token}")
     a = asyncio.create_task(svc.create(alice, SPEC))
     b = asyncio.create_task(svc.create(alice, SPEC))
-    for _ in range(20):
-        await asyncio.sleep(0.005)
+    await until(lambda: len(in_flight) == 2)
     assert len(in_flight) == 2
     gate.set()
     assert {(await a).tenant, (await b).tenant} == {"alice"}
@@ -139,7 +138,7 @@ async def test_kills_answer_before_their_dead_marks_which_go_in_one_batch(env: E
     for i in ids:
         with pytest.raises(NotFound):
             await svc.get(alice, i)
-    await asyncio.sleep(0.01)
+    await until(lambda: bool(calls))  # the marks are written off the kill's path
     assert calls == [ids]  # one trip for both
     assert set(ids) <= set(await state.live_sandbox_ids())  # not written yet
     gate.set()

@@ -55,7 +55,8 @@ async def test_heartbeat_loses_a_silent_node_and_reconciles_it_when_back(tmp_pat
     from dsec.control.scheduler import Scheduler
     from dsec.testing import FakeNodeAgent
 
-    s = Settings(home=tmp_path, cluster_heartbeat_timeout_s=0.05, cluster_node_lost_after_s=0.2,
+    # lost_after well above one beat (0.05 s timeout): a stalled loop must not lose a node early.
+    s = Settings(home=tmp_path, cluster_heartbeat_timeout_s=0.05, cluster_node_lost_after_s=0.6,
                  batch_window_s=0.01, retry_backoff_s=0.01)
     a, b = FakeNodeAgent(s, node_id="a"), FakeNodeAgent(s, node_id="b")
     router = ClusterRouter({"a": a, "b": b})
@@ -85,10 +86,10 @@ async def test_heartbeat_loses_a_silent_node_and_reconciles_it_when_back(tmp_pat
         victim.health = silent  # type: ignore[method-assign, assignment]
         await beats.beat()
         assert router.states[victim.node_id] is N.ready  # one missed beat is not a loss
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.65)
         await beats.beat()
         assert router.states[victim.node_id] is N.lost
-        assert 0.2 < beats.detect_s[victim.node_id] < 1.0
+        assert 0.6 < beats.detect_s[victim.node_id] < 3.0
         with pytest.raises(errors.NodeLost) as e:
             await asyncio.wait_for(router.exec(on_b.id, ExecRequest(cmd="true")), 0.1)
         assert e.value.http_status == 410 and "node lost" in e.value.message

@@ -86,7 +86,10 @@ async def test_warm_pool_hand_over_and_reaper() -> None:
         assert second.id == member and second.timeout == 0.2 and second.tenant == "t1"
         assert second.state == SandboxState.idle and second.labels.get(POOL_LABEL) is None
         assert d.sched.stats["warm_hits"] == 1
-        await asyncio.sleep(0.5)
+        for _ in range(500):  # 0.2 s TTL, reaper every 0.02 s; a stalled loop only delays it
+            if first.id in a.destroyed and second.id in a.destroyed:
+                break
+            await asyncio.sleep(0.01)
         assert first.id in a.destroyed and second.id in a.destroyed
     finally:
         await d.close()
