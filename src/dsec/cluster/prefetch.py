@@ -106,14 +106,17 @@ class Prefetcher:
             except Exception:  # noqa: BLE001 - a node that cannot answer keeps its last view
                 return None
 
+        # What the scheduler believed before asking: a create that lands while the indexes
+        # are read adds its image's layers, and an index read before it must not undo that.
+        believed = {nid: set(sched.cluster.nodes[nid].layers) for nid in nodes}
         indexes = await asyncio.gather(*(one(a) for a in nodes.values()))
         for nid, index in zip(nodes, indexes):
-            if index is None:
+            if index is None or nid not in sched.cluster.nodes:
                 continue
             node = sched.cluster.nodes[nid]
             have = index.digests()
             if nid not in self.busy:  # a prefetch there may be mid-way: judged next pass
-                sched.layers_changed(nid, sorted(have - node.layers), sorted(node.layers - have))
+                sched.layers_changed(nid, sorted(have - node.layers), sorted((believed[nid] & node.layers) - have))
             for img in index.images:
                 for name in img.names:
                     for ref in (name, name.removesuffix(":latest")):

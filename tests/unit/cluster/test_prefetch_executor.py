@@ -106,3 +106,36 @@ async def test_failed_prefetch_is_not_retried_within_the_window() -> None:
         await asyncio.gather(*p._tasks)
     finally:
         await driver.close()
+
+
+async def test_refresh_keeps_layers_a_create_added_while_it_read_the_indexes() -> None:
+    """The layer view follows the nodes' real indexes: a layer the scheduler believed a node
+    held and its index no longer shows stops counting; but a create that lands while the
+    indexes are being read (its image's layers added by the driver) is not undone by an
+    index read before it. (The full apply used to drop them until the next pass.)"""
+    driver, agents, p = await _setup()
+    try:
+        sched = driver.sched
+        node = sched.cluster.nodes["n1"]
+        sched.layers_changed("n1", ["sha256:" + "e" * 64])  # believed, but n1 never had it
+        reading, go = asyncio.Event(), asyncio.Event()
+        real = agents["n1"].layer_index
+
+        async def slow_index() -> Any:
+            index = await real()
+            reading.set()
+            await go.wait()
+            return index
+
+        agents["n1"].layer_index = slow_index  # type: ignore[method-assign]
+        task = asyncio.create_task(p.refresh())
+        await reading.wait()
+        landed = ["sha256:" + "c" * 64]
+        sched.layers_changed("n1", landed)  # a create on n1 finished meanwhile
+        go.set()
+        await task
+        assert landed[0] in node.layers
+        assert "sha256:" + "e" * 64 not in node.layers
+        assert "n1" in sched.cluster.layer_index[landed[0]].pos  # placement's index agrees
+    finally:
+        await driver.close()
