@@ -387,9 +387,10 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
     nscratch = scratch if reuse else scratch.with_name("scratch.next")
     nupper, nwork = (scratch / "upper.next", scratch / "work.next") if reuse else \
         (nscratch / "upper", nscratch / "work")
-    for d in (nroot,) if reuse else (nroot, nscratch):
-        if os.path.ismount(d):  # left by a reset that failed half-way
+    for d in (nroot, scratch.with_name("scratch.next")):
+        if os.path.ismount(d):  # left by a reset that failed half-way (either path)
             syscalls.umount(str(d))
+    for d in (nroot,) if reuse else (nroot, nscratch):
         d.mkdir(0o700, exist_ok=True)
     if reuse:
         for d in (nupper, nwork):  # left by a reset that failed half-way

@@ -121,17 +121,23 @@ async def test_reset_reuses_a_small_scratch_and_replaces_a_big_one(node):
     period); after more files than ``REUSE_SCRATCH_MAX_INODES`` the whole tmpfs is replaced,
     so a reset never spends long deleting. Either way nothing written survives, the disk
     quota is whole again (a second near-full write fits) and the file API sees the new layer.
-    A deep directory chain within the bound is deleted in place as well."""
+    A deep directory chain within the bound is deleted in place as well, and a spare
+    tmpfs left mounted by an earlier reset that failed half-way is unmounted."""
     import os
 
     from dsec.node import reset as rs
+    from dsec.node import syscalls
 
     info = await make(node, "container", disk="16M")
     scratch = node.manager.paths(info.id).scratch
     dev = os.stat(scratch).st_dev
     fill = "dd if=/dev/zero of=/work/fill bs=1M count=12 2>&1 && echo FILLED"
     assert "FILLED" in (await sh(node, info.id, fill)).stdout
+    spare = scratch.with_name("scratch.next")
+    spare.mkdir(0o700, exist_ok=True)
+    syscalls.mount_tmpfs(str(spare), 1 << 20, mode=0o700)  # as a failed new-tmpfs reset leaves it
     await node.reset(info.id)
+    assert not os.path.ismount(spare)
     assert os.stat(scratch).st_dev == dev  # same tmpfs: a few files were deleted in place
     assert sorted(os.listdir(scratch)) == ["upper", "work"]  # no stale next dirs
     assert (await sh(node, info.id, "ls /work | wc -l")).stdout.strip() == "0"
