@@ -103,28 +103,37 @@ def test_bandwidth_limit(lab: Lab, sandboxes, sandbox_exec) -> None:
 
 def test_connection_limit_per_sandbox(lab: Lab, sandboxes, sandbox_exec) -> None:
     """At most Settings.net_max_connections concurrent connections per sandbox; a
-    neighbour sandbox is unaffected."""
+    neighbour sandbox is unaffected.
+
+    The quota is filled first (each holder answered "held"; the server keeps each
+    connection 4 s), then more connections are tried with a 1 s connect timeout: all are
+    refused. (Ten at once, as before, raced the holders' release on a loaded box: a
+    refused SYN retransmitted 3 s later could land after the first holder closed.)"""
     _, att = sandboxes([f"{lab.a.addr}:8000", f"{lab.a.addr}:8002"])
     _, neighbour = sandboxes([f"{lab.a.addr}:8000"])
-    script = "; ".join(f"(busybox nc -w 6 {lab.a.addr} 8002 </dev/null &); sleep 0.05" for _ in range(10))
-    held = subprocess.Popen(["nsenter", f"--net={att.netns_path}", "sh", "-c", script + "; sleep 2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    quota = lab.settings.net_max_connections
+    in_att = ["nsenter", f"--net={att.netns_path}", "sh", "-c"]
+    fill = "; ".join(f"(busybox nc -w 6 {lab.a.addr} 8002 </dev/null &); sleep 0.05" for _ in range(quota))
+    held = subprocess.Popen([*in_att, fill + "; sleep 2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    more: subprocess.Popen[bytes] | None = None
     assert held.stdout is not None
     try:
-        # Probe once the quota is really taken (the server answers "held" at once and keeps
-        # each connection 4 s): on a loaded box the 6th nc may start late, and a probe
-        # before it would take its slot.
-        out, end = b"", time.monotonic() + 3.0
-        while out.count(b"held") < lab.settings.net_max_connections and time.monotonic() < end:
+        out, end = b"", time.monotonic() + 5.0
+        while out.count(b"held") < quota and time.monotonic() < end:
             if select.select([held.stdout], [], [], 0.1)[0]:
                 out += os.read(held.stdout.fileno(), 4096)
+        assert out.count(b"held") == quota, out
+        over = f"for i in 1 2 3 4; do busybox nc -w 1 {lab.a.addr} 8002 </dev/null & done; wait"
+        more = subprocess.Popen([*in_att, over], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
         assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
+        assert b"held" not in more.communicate(timeout=15)[0]
         out += held.communicate(timeout=15)[0]
     finally:
-        if held.poll() is None:
-            held.kill()
-    assert out.count(b"held") == lab.settings.net_max_connections
+        for proc in (held, more):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert out.count(b"held") == quota
 
 
 @pytest.mark.gvisor
@@ -161,21 +170,26 @@ def test_connection_limit_gvisor(lab: Lab, sandboxes, sandbox_exec) -> None:
     are tracked on the host side of the veth), and a neighbour is unaffected."""
     _, att = sandboxes([f"{lab.a.addr}:8000", f"{lab.a.addr}:8002"])
     _, neighbour = sandboxes([f"{lab.a.addr}:8000"])
-    hold = "; ".join(f"(nc -w 6 {lab.a.addr} 8002 </dev/null >/tmp/held.{i} 2>&1 &); sleep 0.05"
-                     for i in range(10))
-    assert sandbox_exec(att, ["sh", "-c", hold], 20.0).returncode == 0
-    # The server answers "held" at once and keeps each connection 4 s: probe once the
-    # quota is really taken (a probe before the last nc connects would take its slot).
-    end = time.monotonic() + 3.0
+    quota = lab.settings.net_max_connections
+    fill = "; ".join(f"(nc -w 6 {lab.a.addr} 8002 </dev/null >/tmp/held.{i} 2>&1 &); sleep 0.05"
+                     for i in range(quota))
+    assert sandbox_exec(att, ["sh", "-c", fill], 20.0).returncode == 0
+    # The quota is taken once every holder got "held" (the server keeps each 4 s); then
+    # more connections (1 s connect timeout) are all refused (see the runc test's note).
+    end = time.monotonic() + 5.0
     while time.monotonic() < end:
         got = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
-        if got.count("held") >= lab.settings.net_max_connections:
+        if got.count("held") >= quota:
             break
         time.sleep(0.1)
+    assert got.count("held") == quota, got
+    over = f"for i in 1 2 3 4; do nc -w 1 {lab.a.addr} 8002 </dev/null >/tmp/over.$i 2>&1 & done; wait"
+    assert sandbox_exec(att, ["sh", "-c", over], 20.0).returncode == 0
     assert tcp_probe(sandbox_exec, neighbour, lab.a.addr, 8000)
     assert not tcp_probe(sandbox_exec, att, lab.a.addr, 8000)  # its own quota is full
+    assert "held" not in sandbox_exec(att, ["sh", "-c", "cat /tmp/over.*"], 10.0).stdout
     out = sandbox_exec(att, ["sh", "-c", "cat /tmp/held.*"], 10.0).stdout
-    assert out.count("held") == lab.settings.net_max_connections
+    assert out.count("held") == quota
 
 
 @pytest.mark.parametrize("tier", ["container"], indirect=True)

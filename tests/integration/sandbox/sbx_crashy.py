@@ -8,6 +8,7 @@ usage: python sbx_crashy.py HOME RUN_DIR IMAGES_HOME SEED [ISOLATION]
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from dsec.ids import new_sandbox_id
 
 
 def say(*words: object) -> None:
-    print(*words, flush=True)
+    # One write per line: a SIGKILL lands between lines, never inside one.
+    os.write(1, (" ".join(map(str, words)) + "\n").encode())
 
 
 async def main() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -117,6 +118,19 @@ async def test_restart_adopts_running_sandboxes(sbx_env, tmp_path, tier):
     assert leftovers(second, info.id, _host_pids(second, info)) == []
 
 
+# The crash child's own announcements; its stderr (Python's and the runtimes' messages)
+# shares the pipe, so any other line is set aside, not parsed.
+_ANNOUNCEMENT = re.compile(r"(creating|destroying|destroyed) (sb-[0-9a-f]+)( \w+)?|created (sb-[0-9a-f]+) (\d+)|started( sb-[0-9a-f]+)*")
+
+
+def _announcements(out: bytes, child: int) -> list[list[str]]:
+    lines = out.decode(errors="replace").splitlines()
+    stray = [ln for ln in lines if not _ANNOUNCEMENT.fullmatch(ln)]
+    if stray:
+        print(f"crash child {child} also wrote:", *stray[-20:], sep="\n  ")
+    return [ln.split() for ln in lines if _ANNOUNCEMENT.fullmatch(ln)]
+
+
 async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     """A manager process SIGKILLed at random moments (mid-create, mid-destroy) 20 times
     (every other kill aimed inside a destroy):
@@ -150,11 +164,12 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
         child.send_signal(signal.SIGKILL)
         out = b"".join(seen) + await child.stdout.read()
         await child.wait()
-        last = out.decode().splitlines()[-1].split()
+        said = _announcements(out, i)
+        last = said[-1]
         killed_in.append(last[0])  # "creating"/"destroying": mid-operation
         if last[0] == "creating":  # killed between the announcement and create()'s first write
             may_lack_record.add(last[1])
-        for words in (ln.split() for ln in out.decode().splitlines()):
+        for words in said:
             if words[0] in ("creating", "created", "destroying"):
                 ids.add(words[1])
             if words[0] == "created":
