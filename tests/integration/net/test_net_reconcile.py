@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,8 +61,10 @@ def _run_child(home: Path, cidr: str, mode: str, allow: str, fault: str | None) 
 
 
 @pytest.fixture
-def crash_home() -> Path:
-    return Path(tempfile.mkdtemp(prefix="dsec-net-crash-"))
+def crash_home() -> Iterator[Path]:
+    home = Path(tempfile.mkdtemp(prefix="dsec-net-crash-"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)  # empty dirs once reconciled (each run left 11)
 
 
 @pytest.mark.parametrize("point", POINTS)

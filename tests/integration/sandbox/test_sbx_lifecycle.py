@@ -6,6 +6,7 @@ recovered by a fresh manager (healthy sandboxes adopted, the rest cleaned)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -145,35 +146,51 @@ async def test_reconcile_after_random_sigkills(sbx_env, tmp_path):
     killed_in: list[str] = []
     may_lack_record: set[str] = set()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    for i in range(20):
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), str(i),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
-        assert child.stdout
-        line = await asyncio.wait_for(child.stdout.readline(), 60)
-        assert line.startswith(b"started"), line + await child.stdout.read()
-        seen = [line]
-        if i % 2:  # a random moment of any operation (creates dominate: they take longest)
-            await asyncio.sleep(rng.uniform(0.05, 0.8))
-        else:  # a random moment inside a destroy (~20 ms), so those are hit too
-            while not line.startswith(b"destroying"):
-                line = await asyncio.wait_for(child.stdout.readline(), 60)
-                assert line, "the child died on its own"
-                seen.append(line)
-            await asyncio.sleep(rng.uniform(0, 0.02))
-        child.send_signal(signal.SIGKILL)
-        out = b"".join(seen) + await child.stdout.read()
-        await child.wait()
-        said = _announcements(out, i)
-        last = said[-1]
-        killed_in.append(last[0])  # "creating"/"destroying": mid-operation
-        if last[0] == "creating":  # killed between the announcement and create()'s first write
-            may_lack_record.add(last[1])
-        for words in said:
-            if words[0] in ("creating", "created", "destroying"):
-                ids.add(words[1])
-            if words[0] == "created":
-                pids.add(int(words[2]))
+    child: asyncio.subprocess.Process | None = None
+    try:
+        for i in range(20):
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, str(HERE / "sbx_crashy.py"), str(home), str(run_dir), str(sbx_env.images_home), str(i),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+            assert child.stdout
+            line = await asyncio.wait_for(child.stdout.readline(), 60)
+            assert line.startswith(b"started"), line + await child.stdout.read()
+            seen = [line]
+            if i % 2:  # a random moment of any operation (creates dominate: they take longest)
+                await asyncio.sleep(rng.uniform(0.05, 0.8))
+            else:  # a random moment inside a destroy (~20 ms), so those are hit too
+                while not line.startswith(b"destroying"):
+                    line = await asyncio.wait_for(child.stdout.readline(), 60)
+                    assert line, "the child died on its own"
+                    seen.append(line)
+                await asyncio.sleep(rng.uniform(0, 0.02))
+            child.send_signal(signal.SIGKILL)
+            out = b"".join(seen) + await child.stdout.read()
+            await child.wait()
+            said = _announcements(out, i)
+            last = said[-1]
+            killed_in.append(last[0])  # "creating"/"destroying": mid-operation
+            if last[0] == "creating":  # killed between the announcement and create()'s first write
+                may_lack_record.add(last[1])
+            for words in said:
+                if words[0] in ("creating", "created", "destroying"):
+                    ids.add(words[1])
+                if words[0] == "created":
+                    pids.add(int(words[2]))
+    except BaseException:
+        # Leave nothing for the next run (mounts, processes): a fresh manager adopts or
+        # cleans what the children made, and everything it adopted is destroyed.
+        if child is not None and child.returncode is None:
+            child.kill()
+            await child.wait()
+        node = await start_node(sbx_env, home, run_dir)
+        try:
+            for sid in list(node.manager.live):
+                with contextlib.suppress(Exception):
+                    await node.destroy(sid)
+        finally:
+            await stop_node(node)
+        raise
     # No waiting for runc/runsc calls the last dead manager left in flight: a node agent
     # restarted at once must cope with them too.
     node = await start_node(sbx_env, home, run_dir)
