@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,6 +46,7 @@ async def driver(tmp_path: Path) -> AsyncIterator[tuple[SchedulerDriver, LocalNo
         for sid in list(node.manager.live):
             await node.manager.destroy(sid)
         node.manager.close()
+        shutil.rmtree(run_dir, ignore_errors=True)  # empty runtime dirs by now (each run left one)
 
 
 def small(**kw: object) -> SandboxSpec:

@@ -37,6 +37,16 @@ def runsc_zombies() -> set[int]:
     return out
 
 
+async def new_runsc_zombies(before: set[int], wait_s: float = 5.0) -> set[int]:
+    """Zombie runsc children not in ``before`` once their reapers had ``wait_s`` to run:
+    the relay's ``runsc exec`` exits after the command's tree is gone (it notices its
+    closed connection), and the event loop reaps it a moment later."""
+    end = time.monotonic() + wait_s
+    while (left := runsc_zombies() - before) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return left
+
+
 async def test_closing_a_stream_kills_the_tree_and_reaps(node, tier):
     """Leaving an exec stream early (the caller went away) kills the command, its
     background jobs and a setsid'd daemon at once, leaves no zombie runsc behind, and the
@@ -50,7 +60,7 @@ async def test_closing_a_stream_kills_the_tree_and_reaps(node, tier):
             assert ev.kind == "stdout" and ev.data == "started\n", ev
             break
     assert await count_procs(node, info.id, "^sleep 30[567]", 0) == 0
-    assert runsc_zombies() - before == set()
+    assert await new_runsc_zombies(before) == set()
     r = await node.exec(info.id, ExecRequest(cmd="echo ok"))
     assert (r.exit_code, r.stdout) == (0, "ok\n")
 
@@ -67,7 +77,7 @@ async def test_cancelled_exec_kills_the_tree_and_reaps(node, tier):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await count_procs(node, info.id, "^sleep 30[89]", 0) == 0
-    assert runsc_zombies() - before == set()
+    assert await new_runsc_zombies(before) == set()
 
 
 async def test_sub_millisecond_timeout_rounds_up(node, tier):
