@@ -12,7 +12,6 @@ Run: ``dsec bench sandbox`` (root; needs the stock images from ``dsec image ensu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import resource
@@ -99,9 +98,8 @@ class _RuncShare:
     def ready(self, sandbox_id: str) -> None:
         from dsec.node.usage import cgroup_cpu_seconds
 
-        with contextlib.suppress(OSError, ValueError):  # no CPU accounting: not reported
-            if (secs := cgroup_cpu_seconds(self.agent.manager.cgroup_parent, sandbox_id)) is not None:
-                self.sandbox_cpu.append(secs)
+        if (secs := cgroup_cpu_seconds(self.agent.manager.cgroup_parent, sandbox_id)) is not None:
+            self.sandbox_cpu.append(secs)  # no CPU accounting: not reported
 
     def report(self) -> dict[str, Any]:
         return {"runc_run_d": _summary(self.wall), "runc_host_cpu": _summary(self.host_cpu),

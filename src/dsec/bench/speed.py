@@ -313,10 +313,7 @@ def _machine_busy_s() -> float:
 
 
 def _cgroup_cpu_s(parent: str) -> float | None:
-    try:
-        ns = read_cgroup_cpu_ns(parent)
-    except (OSError, ValueError):
-        return None
+    ns = read_cgroup_cpu_ns(parent)  # None when unreadable: it never raises
     return None if ns is None else ns / 1e9
 
 

@@ -384,10 +384,11 @@ def reset_container(*, sandbox_id: str, init_pid: int, rootfs: Path, scratch: Pa
     lap("kill")
     reuse = scratch_reusable(scratch)
     nroot = rootfs.with_name("rootfs.next")
-    nscratch = scratch if reuse else scratch.with_name("scratch.next")
+    spare = scratch.with_name("scratch.next")
+    nscratch = scratch if reuse else spare
     nupper, nwork = (scratch / "upper.next", scratch / "work.next") if reuse else \
         (nscratch / "upper", nscratch / "work")
-    for d in (nroot, scratch.with_name("scratch.next")):
+    for d in (nroot, spare):
         if os.path.ismount(d):  # left by a reset that failed half-way (either path)
             syscalls.umount(str(d))
     for d in (nroot,) if reuse else (nroot, nscratch):

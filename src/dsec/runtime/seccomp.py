@@ -11,7 +11,6 @@ opens) is not. Each group below says why it is open.
 from __future__ import annotations
 
 import errno
-
 from typing import Any
 
 # Process lifetime, threads and signals: every runtime needs these.
